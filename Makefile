@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:
+#   make demo   set everything up and run the main job on the built-in default
+#   make test   set everything up and run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+STAMP := $(VENV)/.setup-stamp
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+# Re-run the install only when the project's own install files change.
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/zerobridge --version
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/zerobridge demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .cache build dist
