@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from zerobridge.spec.base import Auto, SpecModel, is_auto
+from zerobridge.spec.base import Auto, SpecModel
 
 __all__ = ["BatchSpec", "GradSync"]
 
@@ -35,8 +35,9 @@ class BatchSpec(SpecModel):
 
     micro_batch_size: PositiveInt | Auto | None = None
     """Samples per rank per forward; ``None``: set by the training loop."""
-    accumulation_steps: PositiveInt | Auto = 1
-    """Micro-batches per optimizer step."""
+    accumulation_steps: PositiveInt | Auto | None = 1
+    """Micro-batches per optimizer step; ``None``: derived at run time as
+    global / (micro x data-parallel size), as DeepSpeed does."""
     global_batch_size: PositiveInt | Auto | None = None
     """Samples per optimizer step over all data-parallel ranks."""
     grad_sync: GradSync = GradSync.EVERY_MICRO_STEP
@@ -60,8 +61,8 @@ class BatchSpec(SpecModel):
     @property
     def per_rank_batch(self) -> int | None:
         """micro x accumulation, when both are known numbers."""
-        if isinstance(self.micro_batch_size, int) and not is_auto(self.accumulation_steps):
-            return self.micro_batch_size * int(self.accumulation_steps)
+        if isinstance(self.micro_batch_size, int) and isinstance(self.accumulation_steps, int):
+            return self.micro_batch_size * self.accumulation_steps
         return None
 
     def resolve_global_batch(self, world_size: int) -> int | None:

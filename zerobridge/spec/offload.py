@@ -80,6 +80,6 @@ class OffloadSpec(SpecModel):
     parameters: ParamOffload = ParamOffload()
     """Where sharded parameters live; only meaningful when parameters are
     sharded at rest."""
-    sub_group_size: int = Field(default=1_000_000_000, ge=1)
+    sub_group_size: int = Field(default=1_000_000_000, ge=0)
     """Elements per tile of the offloaded optimizer step: only one tile's state
     is in host memory at once when streaming from NVMe."""

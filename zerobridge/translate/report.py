@@ -83,6 +83,10 @@ class Report:
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries)
 
+    def find(self, key: str) -> Entry | None:
+        """The entry for ``key``, if any."""
+        return next((e for e in self.entries if e.key == key), None)
+
     def with_status(self, *statuses: Status) -> list[Entry]:
         """Entries with any of ``statuses``."""
         return [e for e in self.entries if e.status in statuses]

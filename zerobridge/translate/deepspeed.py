@@ -1,0 +1,428 @@
+"""DeepSpeed JSON -> spec, read the way DeepSpeed reads it.
+
+    >>> from zerobridge.translate.sources import Located
+    >>> from zerobridge.translate.deepspeed import read_deepspeed
+    >>> t = read_deepspeed(Located({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, "ds.json"))
+    >>> t.value.summary()
+    'stage 2, params replicated, compute bf16'
+    >>> t.report.find("gradient_clipping").note.split(";")[0]
+    'absent: DeepSpeed clips at 1.0 by default since 0.19.3'
+
+What DeepSpeed does and this reader mirrors: hjson syntax, duplicate keys
+rejected, ``1e9`` accepted for integers, ``stage3_*`` and unprefixed aliases
+(both given is an error), deprecated keys mapped to their replacements,
+unknown keys inside the strictly validated sections rejected, ``"auto"`` kept.
+Where DeepSpeed silently ignores something (offload_param below stage 3, a
+misspelled top-level key) this reader warns or refuses instead. The writer is
+``zerobridge.translate.deepspeed_emit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from zerobridge.errors import closest, from_validation_error
+from zerobridge.spec import (
+    AUTO, DType, DynamicLossScale, EveryModuleWrap, GradSync, NoLossScale, ShardingSpec, StaticLossScale,
+    StrategySpec, is_auto,
+)
+from zerobridge.spec.checkpoint import CheckpointFormat
+from zerobridge.spec.stage import Stage
+from zerobridge.translate.mapping import MappingTable, Row, load_table
+from zerobridge.translate.report import Report, Status, Translation
+from zerobridge.translate.sources import Located
+from zerobridge.translate.values import as_bool, as_dtype, as_float, as_int
+
+__all__ = ["read_deepspeed"]
+
+FORMAT = "deepspeed"
+_SIZES = {"fp32": DType.FP32, "fp16": DType.FP16, "bf16": DType.BF16}
+
+
+class _Keys:
+    """The source's keys, resolved through the table: canonical path -> value."""
+
+    def __init__(self, located: Located, table: MappingTable, report: Report) -> None:
+        self.located, self.table, self.report = located, table, report
+        self.values: dict[str, Any] = {}
+        self.given_as: dict[str, str] = {}
+        self.carried: dict[str, Any] = {}
+        self._walk("", located.data)
+
+    def _walk(self, prefix: str, obj: dict[str, Any]) -> None:
+        for key, value in obj.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            row = self.table.find(path)
+            if row is not None and (row.type == "section" or not isinstance(value, dict)):
+                self._take(path, row, value)
+            elif self.table.is_passthrough(path):
+                self.carried[path] = value
+                self.report.add(path, Status.NOT_ABOUT_SHARDING, "carried verbatim")
+            elif isinstance(value, dict) and self.table.children(path):
+                self._walk(path, value)
+            elif row is not None:
+                raise self.located.error(f"expected a single value, got a section {value!r}", key=path)
+            else:
+                self._unknown(prefix, path, key, value)
+
+    def _take(self, path: str, row: Row, value: Any) -> None:
+        if row.path in self.given_as and self.given_as[row.path] != path:
+            raise self.located.error(
+                f"given twice, as {self.given_as[row.path]!r} and {path!r} (aliases of one setting)",
+                key=path, fix=f"keep only {row.path!r}")
+        self.given_as[row.path] = path
+        self.values[row.path] = value
+
+    def _unknown(self, prefix: str, path: str, key: str, value: Any) -> None:
+        known = self.table.children(prefix)
+        suggestion = closest(key, known)
+        if prefix in self.table.strict_sections or prefix == "" and suggestion and _very_close(key, suggestion):
+            where = f"in {prefix!r}" if prefix else "at the top level"
+            fix = f"did you mean {suggestion!r}?" if suggestion else f"valid keys {where}: {', '.join(known)}"
+            reason = ("DeepSpeed rejects unknown keys here" if prefix in self.table.strict_sections
+                      else "DeepSpeed would silently ignore it")
+            raise self.located.error(f"unknown key {key!r} {where}: {reason}", key=path, fix=fix)
+        if prefix.startswith("zero_optimization") or prefix in ("fp16", "bf16"):
+            raise self.located.error(f"unknown key {key!r}", key=path, fix=f"valid keys: {', '.join(known)}")
+        self.carried[path] = value
+        self.report.add(path, Status.NOT_ABOUT_SHARDING,
+                        "not a DeepSpeed setting zerobridge knows; DeepSpeed ignores unknown top-level keys; carried")
+
+    def has(self, path: str) -> bool:
+        return path in self.values
+
+    def get(self, path: str) -> Any:
+        """The value for canonical ``path`` (validated by type), or the row's default."""
+        row = self.table.row(path)
+        if path not in self.values:
+            return row.default if row.has_default else None
+        return self._coerce(self.given_as[path], row, self.values[path])
+
+    def _coerce(self, key: str, row: Row, value: Any) -> Any:
+        loc = self.located
+        if row.type == "int":
+            return as_int(loc, key, value, auto=row.auto, minimum=None)
+        if row.type == "float":
+            return as_float(loc, key, value, auto=row.auto)
+        if row.type == "bool":
+            return as_bool(loc, key, value, auto=row.auto)
+        if row.type in ("enum", "str") and row.values:
+            text = str(value).lower() if value is not None else "none"
+            if text not in row.values:
+                raise loc.error(f"expected one of {', '.join(row.values)}, got {value!r}", key=key)
+            return text
+        return value
+
+    def note(self, path: str, status: Status | None = None, extra: str = "", target: str = "") -> None:
+        """Report ``path`` (as the user spelled it) with its table note."""
+        row = self.table.row(path)
+        if path not in self.values:
+            if row.has_default:
+                self.report.add(path, Status.DEFAULT, _join(f"absent: DeepSpeed default {row.default!r}", extra),
+                                target=target or row.spec)
+            return
+        key = self.given_as[path]
+        value = self.values[path]
+        if row.auto and is_auto(value):
+            self.report.add(key, Status.AUTO, _join("kept as \"auto\": filled at run time by HF Trainer or "
+                                                    "Accelerate", extra), target=target or row.spec)
+            return
+        alias = f"alias of {path}; " if key != path else ""
+        deprecated = f"deprecated, read as {row.deprecated}; " if row.deprecated else ""
+        self.report.add(key, status or row.status, _join(f"{deprecated}{alias}{row.note}", extra),
+                        target=target or row.spec)
+
+
+def _very_close(word: str, match: str) -> bool:
+    import difflib
+    return difflib.SequenceMatcher(None, word, match).ratio() >= 0.85
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def read_deepspeed(located: Located) -> Translation[StrategySpec]:
+    """The spec a DeepSpeed config means, and a key-by-key report."""
+    report = Report(source=FORMAT, target="spec")
+    data = dict(located.data)
+    legacy_zero = data.get("zero_optimization")
+    if isinstance(legacy_zero, bool):
+        data["zero_optimization"] = {"stage": 1 if legacy_zero else 0}
+        report.add("zero_optimization", Status.EXACT,
+                   f"deprecated boolean form: {legacy_zero} means stage {1 if legacy_zero else 0}")
+    if "bfloat16" in data and "bf16" in data:
+        raise located.error("both 'bf16' and its deprecated alias 'bfloat16' are given", key="bfloat16",
+                            fix="keep only 'bf16'")
+    if "bfloat16" in data:
+        data["bf16"] = data.pop("bfloat16")
+        report.add("bfloat16", Status.EXACT, "deprecated section name, read as bf16")
+    keys = _Keys(Located(data, located.source, located.text, located.lines), load_table(FORMAT), report)
+    stage = Stage(_stage(keys))
+    fields: dict[str, Any] = {
+        "sharding": _sharding(keys, stage),
+        "offload": _offload(keys, stage),
+        "precision": _precision(keys),
+        "communication": _communication(keys, stage),
+        "wrapping": _wrapping(keys),
+        "batch": _batch(keys, stage),
+        "checkpoint": _checkpoint(keys),
+    }
+    if keys.carried:
+        fields["passthrough"] = {FORMAT: keys.carried}
+    try:
+        spec = StrategySpec.model_validate(fields)
+    except ValidationError as exc:
+        raise from_validation_error(exc, source=located.source) from None
+    return Translation(spec, report)
+
+
+def _stage(keys: _Keys) -> int:
+    stage = keys.get("zero_optimization.stage")
+    if stage not in (0, 1, 2, 3):
+        raise keys.located.error(f"expected a ZeRO stage 0, 1, 2 or 3, got {stage!r}",
+                                 key="zero_optimization.stage")
+    keys.note("zero_optimization.stage")
+    if keys.get("zero_optimization.legacy_stage1"):
+        raise keys.located.error("legacy_stage1 was removed in DeepSpeed 0.5.9; DeepSpeed raises on it",
+                                 key="zero_optimization.legacy_stage1", fix="delete the key")
+    keys.note("zero_optimization.legacy_stage1")
+    return int(stage)
+
+
+def _sharding(keys: _Keys, stage: Stage) -> dict[str, Any]:
+    fields: dict[str, Any] = dict(ShardingSpec.for_stage(stage).model_dump())
+    mics = keys.get("zero_optimization.mics_shard_size")
+    if mics is not None and mics > 0:
+        if stage is not Stage.PARAMETERS:
+            keys.note("zero_optimization.mics_shard_size", Status.IGNORED,
+                      f"DeepSpeed builds MiCS only at stage 3; ignored at stage {stage.value}")
+        else:
+            fields["shard_group"] = mics
+            keys.note("zero_optimization.mics_shard_size")
+    elif keys.has("zero_optimization.mics_shard_size"):
+        keys.note("zero_optimization.mics_shard_size", Status.EXACT, "off")
+    hpz = keys.get("zero_optimization.zero_hpz_partition_size")
+    if hpz is not None and hpz > 1:
+        if stage is not Stage.PARAMETERS:
+            keys.note("zero_optimization.zero_hpz_partition_size", Status.IGNORED,
+                      f"hpZ applies to stage 3 only; ignored at stage {stage.value}")
+        else:
+            fields["backward_gather_group"] = hpz
+            keys.note("zero_optimization.zero_hpz_partition_size")
+    elif keys.has("zero_optimization.zero_hpz_partition_size"):
+        keys.note("zero_optimization.zero_hpz_partition_size", Status.EXACT, "off")
+    return fields
+
+
+def _offload(keys: _Keys, stage: Stage) -> dict[str, Any]:
+    legacy_pin = keys.get("zero_optimization.cpu_offload_use_pin_memory")
+    tiers: dict[str, dict[str, Any]] = {}
+    for tier, section, legacy in (("optimizer", "offload_optimizer", "cpu_offload"),
+                                  ("parameters", "offload_param", "cpu_offload_param")):
+        prefix = f"zero_optimization.{section}"
+        rows = [r for r in keys.table.rows if r.path.startswith(prefix + ".")]
+        fields: dict[str, Any] = {}
+        for row in rows:
+            if keys.has(row.path) or row.has_default:
+                fields[row.spec.rsplit(".", 1)[1]] = keys.get(row.path)
+        legacy_on = keys.get(f"zero_optimization.{legacy}")
+        if keys.has(f"zero_optimization.{legacy}"):
+            if keys.has(f"{prefix}.device"):
+                raise keys.located.error(f"deprecated {legacy!r} given together with its replacement "
+                                         f"{section}.device", key=f"zero_optimization.{legacy}",
+                                         fix=f"delete {legacy!r}")
+            fields["device"] = "cpu" if legacy_on else "none"
+            keys.note(f"zero_optimization.{legacy}")
+        if legacy_pin is not None and not keys.has(f"{prefix}.pin_memory"):
+            fields["pin_memory"] = legacy_pin
+        if fields.get("device") != "nvme" and fields.get("nvme_path") not in (None, ""):
+            keys.note(f"{prefix}.nvme_path", Status.IGNORED, "device is not nvme, so the path is unused")
+            fields["nvme_path"] = None
+        for row in rows:
+            if row.path != f"{prefix}.nvme_path" or keys.report.find(row.path) is None:
+                keys.note(row.path)
+        tiers[tier] = fields
+    if keys.has("zero_optimization.cpu_offload_use_pin_memory"):
+        keys.note("zero_optimization.cpu_offload_use_pin_memory")
+    param_device = tiers["parameters"].get("device", "none")
+    if param_device != "none" and stage is not Stage.PARAMETERS:
+        keys.note("zero_optimization.offload_param.device", Status.IGNORED,
+                  f"DeepSpeed ignores parameter offload at stage {stage.value}: parameters stay in memory")
+        tiers["parameters"] = {"device": "none"}
+    opt_device = tiers["optimizer"].get("device", "none")
+    if opt_device != "none" and stage is Stage.NONE:
+        keys.note("zero_optimization.offload_optimizer.device", Status.IGNORED,
+                  "DeepSpeed offloads optimizer state only with ZeRO (stage 1 or higher)")
+        tiers["optimizer"] = {"device": "none"}
+    size = keys.get("zero_optimization.sub_group_size")
+    keys.note("zero_optimization.sub_group_size")
+    return {**tiers, "sub_group_size": size}
+
+
+def _dtype_key(keys: _Keys, path: str) -> DType | None:
+    value = keys.get(path)
+    if value is None:
+        return None
+    keys.note(path)
+    return _SIZES[value] if value in _SIZES else as_dtype(keys.located, keys.given_as[path], value)
+
+
+def _precision(keys: _Keys) -> dict[str, Any]:
+    fp16, bf16 = keys.get("fp16.enabled"), keys.get("bf16.enabled")
+    keys.note("fp16.enabled")
+    keys.note("bf16.enabled")
+    if fp16 is True and bf16 is True:
+        raise keys.located.error("fp16.enabled and bf16.enabled are both true", key="bf16.enabled",
+                                 fix="enable one of them (DeepSpeed refuses both)")
+    compute: Any
+    if fp16 is True:
+        compute = DType.FP16
+    elif bf16 is True:
+        compute = DType.BF16
+    elif AUTO in (fp16, bf16):
+        compute = AUTO
+    else:
+        compute = DType.FP32
+    declared = _dtype_key(keys, "data_types.param_dtype")
+    if declared is not None and compute is not AUTO and declared is not compute:
+        raise keys.located.error(f"data_types.param_dtype={declared.value} but the fp16/bf16 sections make "
+                                 f"the model {compute}", key="data_types.param_dtype",
+                                 fix="make them agree (DeepSpeed asserts it)")
+    master = DType.FP32
+    for flag, dtype in (("fp16.fp16_master_weights_and_grads", DType.FP16),
+                        ("bf16.bf16_master_weights_and_grads", DType.BF16)):
+        if keys.get(flag) is True and compute == dtype:
+            master = dtype
+        keys.note(flag)
+    reduce = _dtype_key(keys, "communication_data_type") or compute
+    if not keys.has("communication_data_type"):
+        keys.report.add("communication_data_type", Status.DEFAULT,
+                        f"absent: DeepSpeed reduces in the compute dtype ({compute})", target="precision.reduce_dtype")
+    accumulate = _dtype_key(keys, "data_types.grad_accum_dtype") or compute
+    buffer = _dtype_key(keys, "data_types.buffer_dtype")
+    fields: dict[str, Any] = {"param_dtype": compute, "master_dtype": master if compute is not AUTO else DType.FP32,
+                              "reduce_dtype": reduce, "accumulate_dtype": accumulate, "buffer_dtype": buffer,
+                              "loss_scaling": _loss_scaling(keys, compute)}
+    if compute == DType.FP16:
+        fields["skip_nonfinite_steps"] = True
+    elif compute == DType.BF16 or compute is AUTO:
+        fields["skip_nonfinite_steps"] = bool(keys.get("bf16.check_grad_overflow"))
+        keys.note("bf16.check_grad_overflow")
+    for path in list(keys.values):
+        if keys.table.row(path).status is Status.IGNORED and path.startswith("bf16."):
+            keys.note(path)
+    return fields
+
+
+def _loss_scaling(keys: _Keys, compute: Any) -> Any:
+    paths = ("fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
+             "fp16.consecutive_hysteresis", "fp16.min_loss_scale")
+    if compute not in (DType.FP16, AUTO) or keys.get("fp16.enabled") is False:
+        for path in paths:
+            if keys.has(path):
+                keys.note(path, Status.EXACT, "unused: fp16 is not enabled, so there is no loss scaling")
+        return NoLossScale()
+    for path in paths:
+        keys.note(path)
+    static = keys.get("fp16.loss_scale")
+    if static and static > 0:
+        return StaticLossScale(scale=static)
+    return DynamicLossScale(
+        initial_scale=2.0 ** keys.get("fp16.initial_scale_power"),
+        growth_interval=keys.get("fp16.loss_scale_window"),
+        hysteresis=keys.get("fp16.hysteresis"),
+        consecutive_hysteresis=keys.get("fp16.consecutive_hysteresis"),
+        min_scale=keys.get("fp16.min_loss_scale"),
+    )
+
+
+def _communication(keys: _Keys, stage: Stage) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for path in ("zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
+                 "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_max_live_parameters",
+                 "zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_param_persistence_threshold",
+                 "zero_optimization.stage3_model_persistence_threshold"):
+        value = keys.get(path)
+        if isinstance(value, int) and value < 0:
+            raise keys.located.error(f"must be >= 0, got {value}", key=keys.given_as.get(path, path))
+        if value is not None:
+            fields[keys.table.row(path).spec.split(".")[1]] = value
+        keys.note(path)
+    if "model_persistence_threshold" in fields and fields["model_persistence_threshold"] >= 2**62:
+        fields["model_persistence_threshold"] = None
+    if keys.has("zero_optimization.stage3_param_persitence_threshold"):
+        keys.report.add(keys.given_as["zero_optimization.stage3_param_persitence_threshold"], Status.IGNORED,
+                        keys.table.row("zero_optimization.stage3_param_persitence_threshold").note)
+    overlap = keys.get("zero_optimization.overlap_comm")
+    if overlap is None:
+        overlap = stage is Stage.PARAMETERS
+        keys.report.add("zero_optimization.overlap_comm", Status.DEFAULT,
+                        f"absent: DeepSpeed overlaps only at stage 3, so {str(overlap).lower()} here",
+                        target="communication.overlap_reduce")
+    else:
+        keys.note("zero_optimization.overlap_comm")
+    fields["overlap_reduce"] = overlap
+    # Stage 3 prefetches along the recorded execution order, forward and
+    # backward alike, unless the prefetch bucket is 0.
+    prefetching = stage is Stage.PARAMETERS and fields.get("prefetch_bucket") != 0
+    fields["forward_prefetch"] = prefetching
+    fields["backward_prefetch"] = "before_grad" if prefetching or stage is not Stage.PARAMETERS else "none"
+    return fields
+
+
+def _wrapping(keys: _Keys) -> dict[str, Any]:
+    leaf = keys.get("zero_optimization.leaf_module")
+    classes: tuple[str, ...] = ()
+    if leaf is not None:
+        if not isinstance(leaf, dict):
+            raise keys.located.error("expected {classes: [...], names: [...], name_suffixes: [...]}",
+                                     key="zero_optimization.leaf_module")
+        classes = tuple(str(c) for c in leaf.get("classes", ()))
+        keys.note("zero_optimization.leaf_module")
+    return EveryModuleWrap(leaf_classes=classes).model_dump()
+
+
+def _batch(keys: _Keys, stage: Stage) -> dict[str, Any]:
+    micro = keys.get("train_micro_batch_size_per_gpu")
+    accumulation = keys.get("gradient_accumulation_steps")
+    global_batch = keys.get("train_batch_size")
+    for path, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation),
+                        ("train_batch_size", global_batch)):
+        if isinstance(value, int) and value < 1:
+            raise keys.located.error(f"must be a positive integer, got {value}", key=path)
+        keys.note(path)
+    if accumulation is None:
+        derivable = isinstance(micro, int) and isinstance(global_batch, int)
+        keys.report.add("gradient_accumulation_steps", Status.DEFAULT,
+                        "absent: DeepSpeed derives it from train_batch_size / (micro x world)" if derivable
+                        else "absent: 1", target="batch.accumulation_steps")
+        accumulation = None if derivable else 1
+    clip = keys.get("gradient_clipping")
+    if keys.has("gradient_clipping"):
+        keys.note("gradient_clipping")
+    else:
+        keys.report.add("gradient_clipping", Status.DEFAULT,
+                        "absent: DeepSpeed clips at 1.0 by default since 0.19.3; written explicitly",
+                        target="batch.clip_grad_norm")
+    if isinstance(clip, float) and clip < 0:
+        raise keys.located.error(f"must be >= 0, got {clip}", key="gradient_clipping")
+    sync = GradSync.ACCUMULATION_BOUNDARY if stage <= Stage.OPTIMIZER else GradSync.EVERY_MICRO_STEP
+    return {"micro_batch_size": micro, "accumulation_steps": accumulation, "global_batch_size": global_batch,
+            "clip_grad_norm": None if clip == 0 else clip, "grad_sync": sync}
+
+
+def _checkpoint(keys: _Keys) -> dict[str, Any]:
+    new, old = ("zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                "zero_optimization.stage3_gather_fp16_weights_on_model_save")
+    if keys.has(new) and keys.has(old):
+        raise keys.located.error(f"deprecated {old.split('.')[1]!r} given together with its replacement",
+                                 key=old, fix=f"keep only {new.split('.')[1]!r}")
+    gather = keys.get(old) if keys.has(old) else keys.get(new)
+    keys.note(old if keys.has(old) else new)
+    if is_auto(gather):
+        return {"format": AUTO}
+    return {"format": CheckpointFormat.CONSOLIDATED_16BIT if gather else CheckpointFormat.SHARDED}
+
