@@ -78,15 +78,20 @@ def _groups(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Repo
             report.add("sharding.shard_group", Status.APPROXIMATED,
                        f"DeepSpeed has no hybrid form below stage 3 (MiCS is stage 3 only); stage {stage.value} "
                        "shards over the whole world instead", target="zero_optimization")
-        elif isinstance(sharding.shard_group, int):
-            zero["mics_shard_size"] = sharding.shard_group
-            report.add("sharding.shard_group", Status.EQUIVALENT,
-                       "MiCS: same math as hybrid sharding; MiCS all-reduces gradients globally before sharding",
-                       target="zero_optimization.mics_shard_size")
+        elif isinstance(sharding.shard_group, int) and sharding.backward_gather_group is None:
+            # DeepSpeed 0.19.8 removed MiCS (mics_shard_size now raises), so
+            # hybrid sharding has no DeepSpeed form left. hpZ over the same
+            # group keeps the backward gathers inside it.
+            zero["zero_hpz_partition_size"] = sharding.shard_group
+            report.add("sharding.shard_group", Status.APPROXIMATED,
+                       f"DeepSpeed removed MiCS in 0.19.8; written as ZeRO++ hpZ over groups of "
+                       f"{sharding.shard_group}: states are sharded over the whole world (less memory), "
+                       "forward gathers cross groups (more inter-group traffic)",
+                       target="zero_optimization.zero_hpz_partition_size")
         else:
             report.add("sharding.shard_group", Status.NOT_EXPRESSIBLE,
-                       "'node' needs a number for mics_shard_size: state the ranks per node in the spec",
-                       target="zero_optimization.mics_shard_size")
+                       f"DeepSpeed removed MiCS in 0.19.8 and has no other hybrid form for shard group "
+                       f"{sharding.shard_group!r}", target="zero_optimization")
     group = sharding.backward_gather_group
     if isinstance(group, int):
         zero["zero_hpz_partition_size"] = group

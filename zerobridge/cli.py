@@ -1,0 +1,188 @@
+"""The ``zerobridge`` command.
+
+    zerobridge convert ds_config.json --to fsdp2            # fully_shard kwargs as JSON
+    zerobridge convert accelerate_fsdp.yaml --to deepspeed   # a DeepSpeed JSON
+    zerobridge convert zero3-offload --to accelerate-fsdp     # registry names work as input
+    zerobridge convert ds_config.json --to fsdp1 --explain    # plus the key-by-key report (stderr)
+    zerobridge explain ds_config.json --params 7e9 --world-size 64
+    zerobridge diff a.json b.yaml                             # same run or not, and what differs
+    zerobridge strategies                                     # the registry, one line each
+
+Exit codes: 0 success; 1 ``--strict`` saw an approximation, or ``diff`` found
+a difference; 2 bad input (the message names the file, key, line and fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zerobridge import __version__
+from zerobridge.errors import ConfigError
+from zerobridge.translate.report import Report
+
+__all__ = ["main"]
+
+
+def _number(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 7e9, got {text!r}") from None
+    if value < 1 or not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from zerobridge.translate.formats import SOURCES, TARGETS
+
+    p = argparse.ArgumentParser(prog="zerobridge", description="One partitioning spec for DeepSpeed ZeRO and FSDP.")
+    p.add_argument("--version", action="version", version=f"zerobridge {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("convert", help="turn a config or strategy name into another format")
+    c.add_argument("source", help="config file or strategy name")
+    c.add_argument("--to", required=True, choices=sorted(TARGETS), help="target format")
+    c.add_argument("--from", dest="fmt", choices=sorted(SOURCES), help="source format (detected when omitted)")
+    c.add_argument("--explain", action="store_true", help="print the key-by-key report on stderr")
+    c.add_argument("--strict", action="store_true", help="exit 1 when anything is approximated")
+    c.add_argument("-o", "--output", type=Path, help="write here (atomically) instead of stdout")
+
+    e = sub.add_parser("explain", help="what is sharded where; bytes per rank; bytes moved per step")
+    e.add_argument("source", help="config file or strategy name")
+    e.add_argument("--from", dest="fmt", choices=sorted(SOURCES))
+    e.add_argument("--params", type=_number, required=True, help="parameter count, e.g. 7e9")
+    e.add_argument("--world-size", type=_number, required=True, help="data-parallel ranks")
+    e.add_argument("--local-world-size", type=_number, help="ranks per node (default: min(8, world))")
+    e.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    e.add_argument("--json", action="store_true", help="JSON instead of text")
+
+    d = sub.add_parser("diff", help="whether two configs mean the same run, and what differs")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("strategies", help="the registry, one line each")
+    s.add_argument("--json", action="store_true")
+
+    sub.add_parser("demo", help="the built-in example: a DeepSpeed config explained and converted")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        return int(_COMMANDS[args.command](args))
+    except ConfigError as exc:
+        print(f"zerobridge: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+def _warn(report: Report) -> None:
+    for entry in report.approximations:
+        print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
+
+
+def _emit(text: str, output: Path | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _render(value: Any, target: str) -> str:
+    from zerobridge.translate.formats import YAML_TARGETS
+
+    if target in YAML_TARGETS:
+        import yaml
+
+        return str(yaml.safe_dump(value, sort_keys=False))
+    return json.dumps(value, indent=2) + "\n"
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from zerobridge.loading import load
+    from zerobridge.translate.formats import write
+
+    read = load(args.source, fmt=args.fmt)
+    written = write(read.value, args.to)
+    if args.explain:
+        print(read.report.render(), file=sys.stderr)
+        print(written.report.render(), file=sys.stderr)
+    _warn(read.report)
+    _warn(written.report)
+    if args.strict and (read.report.approximations or written.report.approximations):
+        print("zerobridge: --strict: approximations above; nothing written", file=sys.stderr)
+        return 1
+    _emit(_render(written.value, args.to), args.output)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from zerobridge.explain import explain
+    from zerobridge.loading import load
+
+    read = load(args.source, fmt=args.fmt)
+    result = explain(read.value, params=args.params, world_size=args.world_size,
+                     local_world_size=args.local_world_size, optimizer=args.optimizer)
+    _warn(read.report)
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.render())
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from zerobridge.diffing import diff_specs
+    from zerobridge.loading import load
+
+    a, b = load(args.a), load(args.b)
+    result = diff_specs(a.value, b.value)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(result.render(str(args.a), str(args.b)))
+    return 0 if result.same_run else 1
+
+
+def _strategies(args: argparse.Namespace) -> int:
+    from zerobridge.registry import strategies
+
+    entries = strategies()
+    if args.json:
+        print(json.dumps([{"name": s.name, "aliases": list(s.aliases), "title": s.title,
+                           "summary": s.spec().value.summary()} for s in entries], indent=2))
+        return 0
+    width = max(len(s.name) for s in entries)
+    for s in entries:
+        aliases = f"  (also: {', '.join(s.aliases)})" if s.aliases else ""
+        print(f"{s.name:<{width}}  {s.spec().value.summary()}{aliases}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from zerobridge.demo import run_demo
+
+    return run_demo()
+
+
+_COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo}
+
+if __name__ == "__main__":
+    raise SystemExit(main())

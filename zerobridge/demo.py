@@ -1,0 +1,37 @@
+"""``zerobridge demo``: the built-in default job.
+
+Until the engine lands, the demo takes the bundled ZeRO-3 offload strategy
+(``strategies/zero3-offload.toml``), explains it for a 7B model on 64 ranks,
+converts it to FSDP2 with the report, and checks the conversion back.
+"""
+
+from __future__ import annotations
+
+import json
+
+from zerobridge.diffing import diff_specs
+from zerobridge.explain import explain
+from zerobridge.registry import resolve
+from zerobridge.translate.formats import write
+from zerobridge.translate.sources import Located
+
+__all__ = ["run_demo"]
+
+
+def run_demo() -> int:
+    """Print the walkthrough; 0 when the DeepSpeed round trip is exact."""
+    spec = resolve("zero3-offload").value
+    print("== zero3-offload: what is sharded where (7e9 parameters, 64 ranks)")
+    print(explain(spec, params=7_000_000_000, world_size=64).render())
+    fsdp2 = write(spec, "fsdp2")
+    print("\n== as FSDP2 fully_shard kwargs")
+    print(json.dumps(fsdp2.value, indent=2))
+    print(fsdp2.report.render())
+    print("\n== DeepSpeed JSON -> spec -> DeepSpeed JSON -> spec")
+    from zerobridge.translate.deepspeed import read_deepspeed
+
+    ds = write(spec, "deepspeed").value
+    back = read_deepspeed(Located(ds, "<demo>")).value.model_copy(update={"name": spec.name})
+    result = diff_specs(spec, back)
+    print(result.render("zero3-offload", "its DeepSpeed JSON read back"))
+    return 0 if result.same_run else 1

@@ -1,0 +1,158 @@
+"""Every supported format: how to recognise it, read it and write it.
+
+    >>> from zerobridge.translate.formats import TARGETS, write
+    >>> from zerobridge.spec import StrategySpec
+    >>> sorted(TARGETS)[:3]
+    ['accelerate-deepspeed', 'accelerate-fsdp', 'deepspeed']
+    >>> write(StrategySpec(), "spec").value["sharding"]["optimizer_state"]
+    False
+
+Readers and writers live one module per format; this module only routes to
+them (imported on first use, so ``zerobridge --help`` does not import torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from zerobridge.errors import ConfigError, closest, from_validation_error
+from zerobridge.spec import StrategySpec
+from zerobridge.translate.report import Report, Status, Translation
+from zerobridge.translate.sources import Located, parse_json, parse_toml, parse_yaml, read_text
+
+__all__ = ["SOURCES", "TARGETS", "detect_format", "read", "read_file", "write"]
+
+SOURCES: dict[str, str] = {
+    "deepspeed": "zerobridge.translate.deepspeed:read_deepspeed",
+    "fsdp1": "zerobridge.translate.fsdp:read_fsdp1",
+    "fsdp2": "zerobridge.translate.fsdp:read_fsdp2",
+    "accelerate": "zerobridge.translate.accelerate:read_accelerate",
+    "torchtitan": "zerobridge.translate.torchtitan:read_torchtitan",
+    "spec": "zerobridge.translate.formats:read_spec",
+}
+"""Format name -> reader (``module:function``), each ``(Located) -> Translation[StrategySpec]``."""
+
+TARGETS: dict[str, str] = {
+    "deepspeed": "zerobridge.translate.deepspeed_emit:write_deepspeed",
+    "fsdp1": "zerobridge.translate.fsdp:write_fsdp1",
+    "fsdp2": "zerobridge.translate.fsdp:write_fsdp2",
+    "accelerate-fsdp": "zerobridge.translate.accelerate:write_accelerate_fsdp",
+    "accelerate-deepspeed": "zerobridge.translate.accelerate:write_accelerate_deepspeed",
+    "lightning": "zerobridge.translate.lightning:write_lightning",
+    "spec": "zerobridge.translate.formats:write_spec",
+}
+"""``--to`` name -> writer, each ``(StrategySpec) -> Translation[dict]``."""
+
+YAML_TARGETS = frozenset({"accelerate-fsdp", "accelerate-deepspeed"})
+"""Targets whose natural file form is YAML (Accelerate config files)."""
+
+_SPEC_KEYS = frozenset(StrategySpec.model_fields)
+
+
+def _load(ref: str) -> Callable[..., Any]:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def detect_format(located: Located) -> str:
+    """The format of parsed data, from its keys and file suffix."""
+    data = located.data
+    keys = set(data)
+    suffix = Path(located.source).suffix.lower()
+    if "distributed_type" in keys or "fsdp_config" in keys or "deepspeed_config" in keys:
+        return "accelerate"
+    if suffix == ".toml" and ("parallelism" in keys or "training" in keys or "job" in keys):
+        return "torchtitan"
+    if keys and keys <= _SPEC_KEYS:
+        return "spec"
+    if "sharding_strategy" in keys or "auto_wrap_policy" in keys or "cpu_offload" in keys and "zero_optimization" not in keys:
+        return "fsdp1"
+    if "reshard_after_forward" in keys or "mp_policy" in keys or "offload_policy" in keys:
+        return "fsdp2"
+    if suffix in (".json", ".hjson") or keys & {"zero_optimization", "train_batch_size", "fp16", "bf16",
+                                                 "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}:
+        return "deepspeed"
+    raise located.error(
+        "cannot tell which format this is",
+        fix="pass --from deepspeed|fsdp1|fsdp2|accelerate|torchtitan|spec")
+
+
+def parse_file(path: str | Path) -> Located:
+    """Parse a config file by its suffix (JSON/HJSON, YAML, TOML)."""
+    text = read_text(path)
+    source = str(path)
+    suffix = Path(path).suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        return parse_yaml(text, source)
+    if suffix == ".toml":
+        return parse_toml(text, source)
+    if suffix in (".json", ".hjson", ".jsonc", ""):
+        return parse_json(text, source)
+    raise ConfigError(f"unknown file type {suffix!r}", source=source,
+                      fix="use a .json/.hjson (DeepSpeed, FSDP kwargs, spec), .yaml (Accelerate, spec) or "
+                          ".toml (torchtitan, strategies) file")
+
+
+def read(located: Located, fmt: str | None = None) -> Translation[StrategySpec]:
+    """Read parsed data in ``fmt`` (detected when None) into a spec."""
+    fmt = fmt or detect_format(located)
+    if fmt not in SOURCES:
+        raise ConfigError(f"unknown source format {fmt!r}", fix=f"use one of: {', '.join(SOURCES)}")
+    try:
+        return _load(SOURCES[fmt])(located)  # type: ignore[no-any-return]
+    except ConfigError as exc:
+        raise exc.located(source=located.source) from None
+
+
+def read_file(path: str | Path, fmt: str | None = None) -> Translation[StrategySpec]:
+    """Parse and read a config file."""
+    return read(parse_file(path), fmt)
+
+
+def write(spec: StrategySpec, target: str) -> Translation[Any]:
+    """Write ``spec`` in the ``--to`` format ``target``."""
+    if target not in TARGETS:
+        suggestion = closest(target, TARGETS)
+        raise ConfigError(f"unknown target {target!r}",
+                          fix=f"did you mean {suggestion!r}?" if suggestion else f"use one of: {', '.join(TARGETS)}")
+    return _load(TARGETS[target])(spec)  # type: ignore[no-any-return]
+
+
+def read_spec(located: Located) -> Translation[StrategySpec]:
+    """Read a zerobridge spec written as JSON, YAML or TOML."""
+    try:
+        spec = StrategySpec.model_validate(located.data)
+    except ValidationError as exc:
+        error = from_validation_error(exc, source=located.source)
+        first = exc.errors()[0]
+        if first["type"] == "extra_forbidden":
+            error = _suggest(error, [str(p) for p in first["loc"]])
+        raise error.located(line=located.line_of(error.key or "")) from None
+    report = Report(source="spec", target="spec")
+    for key in located.data:
+        report.add(key, Status.EXACT)
+    return Translation(spec, report)
+
+
+def _suggest(error: ConfigError, loc: list[str]) -> ConfigError:
+    model: Any = StrategySpec
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        annotation = getattr(field, "annotation", None)
+        model = annotation if hasattr(annotation, "model_fields") else None
+        if model is None:
+            return error
+    names = list(getattr(model, "model_fields", {}))
+    match = closest(loc[-1], names)
+    fix = f"did you mean {match!r}?" if match else f"valid keys: {', '.join(names)}"
+    return ConfigError(error.message, source=error.source, key=error.key, fix=fix)
+
+
+def write_spec(spec: StrategySpec) -> Translation[dict[str, Any]]:
+    """The spec itself, every field stated."""
+    return Translation(spec.dump(), Report(source="spec", target="spec"))
