@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 import zerobridge.explain
 from zerobridge.errors import ConfigError
@@ -207,8 +208,13 @@ def test_hpz_adds_secondary_copy_and_shrinks_backward_gather() -> None:
 
 
 def test_hpz_group_must_divide_shard_group() -> None:
+    # Fixed numbers are refused by the spec itself; a "node" group is only
+    # known once explain resolves it.
+    with pytest.raises(ValidationError, match="does not divide shard_group"):
+        make(3, shard_group=8, backward_gather_group=16)
     with pytest.raises(ConfigError, match="backward gather group"):
-        explain(make(3, shard_group=8, backward_gather_group=16), params=1000, world_size=64)
+        explain(make(3, shard_group="node", backward_gather_group=16), params=1000, world_size=64,
+                local_world_size=8)
 
 
 def test_shard_grad_op_moves_2p_but_rests_at_16p_over_n() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import enum
 import sys
+import tomllib
 import types
 import typing
 from pathlib import Path
@@ -112,10 +113,27 @@ def render_translators() -> str:
             note = (row.note + extra + auto).replace("|", "\\|")
             out.append(f"| {names} | {f'`{row.spec}`' if row.spec else ''} | {default} | {row.status.value} "
                        f"| {note} |\n")
+        out.extend(_named_strategies(fmt))
         if table.passthrough:
             out.append("\nCarried verbatim (not about sharding): " +
                        ", ".join(f"`{p}`" for p in table.passthrough) + ".\n")
     return "".join(out)
+
+
+def _named_strategies(fmt: str) -> list[str]:
+    """Rows of a table's ``[[strategy]]`` list (Lightning's registry names)."""
+    from zerobridge.resources import data_dir
+
+    with (data_dir("mappings") / f"{fmt}.toml").open("rb") as fh:
+        named = tomllib.load(fh).get("strategy", [])
+    if not named:
+        return []
+    out = ["\nStrategy names:\n\n| name | class | arguments | note |\n|---|---|---|---|\n"]
+    for row in named:
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in row.get("kwargs", {}).items())
+        out.append(f"| `{row['name']}` | `{row.get('class', '')}` | {f'`{kwargs}`' if kwargs else ''} | "
+                   f"{row.get('note', '')} |\n")
+    return out
 
 
 def render_strategies() -> str:

@@ -41,8 +41,8 @@ TARGETS: dict[str, str] = {
     "deepspeed": "zerobridge.translate.deepspeed_emit:write_deepspeed",
     "fsdp1": "zerobridge.translate.fsdp:write_fsdp1",
     "fsdp2": "zerobridge.translate.fsdp:write_fsdp2",
-    "accelerate-fsdp": "zerobridge.translate.accelerate:write_accelerate_fsdp",
-    "accelerate-deepspeed": "zerobridge.translate.accelerate:write_accelerate_deepspeed",
+    "accelerate-fsdp": "zerobridge.translate.accelerate_emit:write_accelerate_fsdp",
+    "accelerate-deepspeed": "zerobridge.translate.accelerate_emit:write_accelerate_deepspeed",
     "lightning": "zerobridge.translate.lightning:write_lightning",
     "spec": "zerobridge.translate.formats:write_spec",
 }

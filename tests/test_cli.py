@@ -1,0 +1,137 @@
+"""The zerobridge command: outputs, exit codes, errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerobridge.cli import main
+
+DS_ZERO3 = '{\n  // a DeepSpeed config\n  "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},\n  "bf16": {"enabled": true},\n}\n'
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def ds_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ds_config.json"
+    path.write_text(DS_ZERO3)
+    return path
+
+
+def test_convert_to_deepspeed_and_back_through_spec(capsys: pytest.CaptureFixture[str], ds_file: Path,
+                                                    tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "convert", str(ds_file), "--to", "spec")
+    assert code == 0
+    spec = json.loads(out)
+    assert spec["sharding"]["parameters"] == "reshard_after_forward" and spec["precision"]["param_dtype"] == "bf16"
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(out)
+    code, out, _ = run(capsys, "convert", str(spec_file), "--to", "deepspeed")
+    ds = json.loads(out)
+    assert code == 0 and ds["zero_optimization"]["offload_param"]["device"] == "cpu" and ds["bf16"]["enabled"]
+
+
+def test_explain_flag_prints_the_report_on_stderr_only(capsys: pytest.CaptureFixture[str], ds_file: Path) -> None:
+    code, out, err = run(capsys, "convert", str(ds_file), "--to", "deepspeed", "--explain")
+    assert code == 0
+    json.loads(out)  # stdout stays machine-readable
+    assert "zero_optimization.stage" in err and "deepspeed -> spec" in err and "spec -> deepspeed" in err
+
+
+def test_output_file_is_written_atomically(capsys: pytest.CaptureFixture[str], ds_file: Path, tmp_path: Path) -> None:
+    target = tmp_path / "out" / "ds.json"
+    code, out, _ = run(capsys, "convert", str(ds_file), "--to", "deepspeed", "-o", str(target))
+    assert code == 0 and out == "" and json.loads(target.read_text())["zero_optimization"]["stage"] == 3
+    assert [p.name for p in target.parent.iterdir()] == ["ds.json"]  # no temp files left
+
+
+def test_strict_turns_approximations_into_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "hybrid.json"
+    path.write_text('{"zero_optimization": {"stage": 3, "mics_shard_size": 4}}')
+    code, out, err = run(capsys, "convert", str(path), "--to", "deepspeed")
+    assert code == 0 and "warning: sharding.shard_group: approximated" in err
+    target = tmp_path / "kept.json"
+    target.write_text("earlier result")
+    code, out, err = run(capsys, "convert", str(path), "--to", "deepspeed", "--strict", "-o", str(target))
+    assert code == 1 and "--strict" in err and out == ""
+    assert target.read_text() == "earlier result"  # a failed run leaves earlier results intact
+
+
+def test_registry_names_are_sources(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "convert", "zero2-offload", "--to", "deepspeed")
+    zero = json.loads(out)["zero_optimization"]
+    assert code == 0 and zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu"
+
+
+def test_explain_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "explain", "zero3", "--params", "7.5e9", "--world-size", "64", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["world_size"] == 64 and data["params"] == 7_500_000_000
+
+
+def test_diff(capsys: pytest.CaptureFixture[str], ds_file: Path, tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "diff", "zero3", "stage3")
+    assert code == 0 and out.startswith("same run")
+    code, out, _ = run(capsys, "diff", "zero3", str(ds_file))
+    assert code == 1 and "precision.param_dtype" in out and "offload.parameters.device" in out
+
+
+def test_strategies_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "strategies")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) >= 20
+    assert any(line.startswith("zero3 ") and "stage 3" in line for line in lines)
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["convert", "missing.json", "--to", "fsdp2"], ["missing.json", "file not found"]),
+    (["convert", "zero33", "--to", "deepspeed"], ["'zero33'", "did you mean 'zero3'"]),
+    (["convert", "{bad}.json", "--to", "deepspeed"], ["file not found"]),
+    (["explain", "zero3", "--params", "lots", "--world-size", "8"], ["expected a number"]),
+    (["convert", "zero3", "--to", "fsdp3"], ["invalid choice: 'fsdp3'"]),
+])
+def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str], argv: list[str], fragments: list[str]) -> None:
+    with pytest.raises(SystemExit) if argv[-1] in ("8", "fsdp3") else _no_raise():
+        code = main(argv)
+        assert code == 2
+    err = capsys.readouterr().err
+    for fragment in fragments:
+        assert fragment in err
+    assert "Traceback" not in err
+
+
+class _no_raise:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ('{"zero_optimization": {"stage": 3,, }}', ["bad.json:1:", "not valid JSON/HJSON"]),
+    ('{"zero_optimization": {"stage": 3, "overlap_comms": true}}',
+     ["bad.json:1", "zero_optimization.overlap_comms", "did you mean 'overlap_comm'"]),
+    ('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}',
+     ["not a multiple of"]),
+])
+def test_bad_files_exit_2_without_traceback(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    """A real process: exit code 2, one clear message, no traceback."""
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "zerobridge.cli", "convert", str(path), "--to", "fsdp2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    for fragment in fragments:
+        assert fragment in proc.stderr

@@ -1,0 +1,70 @@
+"""Every public config in ../shared/corpus converts to every target.
+
+Skipped when the corpus is absent (set ZEROBRIDGE_CORPUS to point at it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import corpus_files
+from zerobridge.cli import main
+from zerobridge.loading import load
+from zerobridge.translate.formats import TARGETS, YAML_TARGETS
+
+pytestmark = pytest.mark.corpus
+
+CONVERTIBLE = corpus_files("deepspeed") + corpus_files("accelerate")
+
+
+def _in_original_layout(path: Path, tmp_path: Path) -> Path:
+    """An Accelerate YAML whose deepspeed_config_file is a relative path only
+    resolves in its repository's layout: rebuild that layout from the corpus
+    (``owner__repo__dir__file`` names) in a temporary directory."""
+    if path.suffix not in (".yaml", ".yml"):
+        return path
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    ref = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not ref or Path(ref).is_absolute():
+        return path
+    *repo_dirs, _ = path.name.split("__")[2:]
+    here = tmp_path.joinpath(*repo_dirs)
+    here.mkdir(parents=True)
+    (here / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    target = (here / ref).resolve()
+    owner_repo = "__".join(path.name.split("__")[:2])
+    rel = target.relative_to(tmp_path.resolve())
+    source = path.parent.parent / "deepspeed" / f"{owner_repo}__{'__'.join(rel.parts)}"
+    assert source.exists(), f"{path.name} refers to {ref}, which the corpus lacks"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+    return here / path.name
+
+
+@pytest.mark.parametrize("path", CONVERTIBLE, ids=lambda p: p.name)
+def test_converts_to_every_target(path: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = _in_original_layout(path, tmp_path)
+    for target in sorted(TARGETS):
+        code = main(["convert", str(path), "--to", target, "--explain"])
+        out, err = capsys.readouterr()
+        assert code == 0, f"{target}: {err}"
+        value = yaml.safe_load(out) if target in YAML_TARGETS else json.loads(out)
+        assert isinstance(value, dict) and value, target
+        assert " -> spec" in err and f"spec -> {target}" in err  # both halves of the report
+
+
+@pytest.mark.parametrize("path", corpus_files("torchtitan"), ids=lambda p: p.name)
+def test_torchtitan_reads_into_the_spec(path: Path) -> None:
+    translation = load(path)
+    assert translation.value.sharding.stage.value == 3  # torchtitan shards with FSDP2
+    assert translation.report.entries
+
+
+def test_corpus_is_really_there_when_present() -> None:
+    if not CONVERTIBLE:
+        pytest.skip("no corpus")
+    assert len(corpus_files("deepspeed")) >= 30 and len(corpus_files("accelerate")) >= 15

@@ -1,0 +1,13 @@
+"""Translators between the spec and every supported format.
+
+    >>> from zerobridge.translate.formats import read_file, write   # doctest: +SKIP
+    >>> spec = read_file("ds_config.json").value                    # doctest: +SKIP
+    >>> write(spec, "fsdp2").report.render()                        # doctest: +SKIP
+
+One reader module and one writer module per format (``deepspeed`` /
+``deepspeed_emit``, ``accelerate`` / ``accelerate_emit``, ``fsdp1``, ``fsdp2``,
+``lightning``, ``torchtitan``), and the shared pieces: ``report``, ``mapping``
+(tables in ``mappings/``), ``keys`` (reading a source's keys through its
+table), ``sources`` (parsing with positions) and ``values`` (coercion).
+``formats`` routes by format name.
+"""
