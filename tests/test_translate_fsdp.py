@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import (
-    BackwardPrefetch, CheckpointFormat, DType, DynamicLossScale, EveryModuleWrap, GradSync, OffloadDevice,
+    BackwardPrefetch, CheckpointFormat, DynamicLossScale, EveryModuleWrap, GradSync, OffloadDevice,
     ParamSharding, RootWrap, ShardingSpec, SizeWrap, StaticLossScale, StrategySpec, TransformerWrap,
 )
 from zerobridge.translate.fsdp import (
@@ -118,7 +118,8 @@ def test_fsdp1_numeric_shard_group_with_and_without_world_size() -> None:
 
 
 def test_fsdp1_node_group_warns_about_cpu_and_live_builder_refuses() -> None:
-    spec = spec_of(sharding=ShardingSpec.for_stage(3, shard_group="node"), wrapping=TransformerWrap(layer_classes=("Block",)))
+    spec = spec_of(sharding=ShardingSpec.for_stage(3, shard_group="node"),
+                   wrapping=TransformerWrap(layer_classes=("Block",)))
     translation = write_fsdp1(spec)
     assert translation.value["sharding_strategy"] == "HYBRID_SHARD"
     assert "CPU" in note(translation.report, "sharding.shard_group")
@@ -217,7 +218,8 @@ def test_zero2_is_approximated_as_resharded_after_backward(fmt: str, key: str, v
 def test_stage_0_is_exact_no_shard_with_deprecation_note() -> None:
     translation = write_fsdp1(spec_of(sharding=ShardingSpec.for_stage(0)))
     assert translation.value["sharding_strategy"] == "NO_SHARD"
-    assert status(translation.report, "sharding") is Status.EXACT and "deprecates" in note(translation.report, "sharding")
+    assert status(translation.report, "sharding") is Status.EXACT
+    assert "deprecates" in note(translation.report, "sharding")
 
 
 # ----------------------------------------------------------------- precision
@@ -408,8 +410,8 @@ def test_communication_fixed_by_fsdp_is_stated_and_reported_only_when_different(
 
 def test_wrapping_both_directions() -> None:
     cases = [({"transformer_layer_cls": ["LlamaDecoderLayer"]}, TransformerWrap(layer_classes=("LlamaDecoderLayer",))),
-             ({"transformer_layer_cls": "auto"}, TransformerWrap()), ({"min_num_params": 1000}, SizeWrap(min_params=1000)),
-             (None, RootWrap())]
+             ({"transformer_layer_cls": "auto"}, TransformerWrap()),
+             ({"min_num_params": 1000}, SizeWrap(min_params=1000)), (None, RootWrap())]
     for form, wrap in cases:
         assert read("fsdp1", {"auto_wrap_policy": form}).wrapping == wrap
         assert assert_round_trip("fsdp2", read("fsdp2", {"wrap": form}))["wrap"] == form
@@ -440,7 +442,8 @@ def test_training_loop_round_trip_and_auto_values() -> None:
     assert assert_round_trip("fsdp2", spec)["training_loop"].items() >= loop.items()
     assert read("fsdp1", {"training_loop": {"clip_grad_norm": 0}}).batch.clip_grad_norm is None
     auto = write_fsdp1(spec_of(batch={"clip_grad_norm": "auto", "micro_batch_size": "auto"}))
-    assert (auto.value["training_loop"]["clip_grad_norm"], auto.value["training_loop"]["micro_batch_size"]) == (1.0, None)
+    loop = auto.value["training_loop"]
+    assert (loop["clip_grad_norm"], loop["micro_batch_size"]) == (1.0, None)
     assert status(auto.report, "batch.clip_grad_norm") is Status.APPROXIMATED
 
 
@@ -509,7 +512,8 @@ def fsdp1_forms(draw: st.DrawFn) -> dict[str, Any]:
     strategy = form.get("sharding_strategy", "FULL_SHARD")
     hybrid = str(strategy).lower().lstrip("_") in ("hybrid_shard", "hybrid_shard_zero2") or strategy in (4, 5)
     dims = st.integers(1, 8)
-    mesh = st.builds(lambda r, s: {"shape": [r, s]}, dims, dims) if hybrid else st.builds(lambda n: {"shape": [n]}, dims)
+    mesh = (st.builds(lambda r, s: {"shape": [r, s]}, dims, dims) if hybrid
+            else st.builds(lambda n: {"shape": [n]}, dims))
     names = st.sampled_from([None, ["a", "b"] if hybrid else ["x"]])
     maybe(draw, form, "device_mesh", st.none() | st.builds(lambda m, n: m | ({"mesh_dim_names": n} if n else {}),
                                                            mesh, names))
@@ -619,7 +623,8 @@ def specs(draw: st.DrawFn) -> StrategySpec:
                                                           {"kind": "dynamic"}, {"kind": "dynamic", "hysteresis": 1,
                                                                                 "min_scale": 0.0}]))
     buckets = st.sampled_from([500_000_000, "per_unit", "auto"])
-    communication = {"reduce_bucket": draw(buckets), "allgather_bucket": draw(buckets), "prefetch_bucket": draw(buckets),
+    communication = {"reduce_bucket": draw(buckets), "allgather_bucket": draw(buckets),
+                     "prefetch_bucket": draw(buckets),
                      "overlap_reduce": draw(st.booleans()), "forward_prefetch": draw(st.booleans()),
                      "backward_prefetch": draw(st.sampled_from(list(BackwardPrefetch))),
                      "max_inflight_gathers": draw(st.sampled_from([None, 2, 4])),
@@ -700,14 +705,15 @@ def test_to_fsdp1_kwargs_returns_torch_objects() -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     assert not dist.is_initialized()
     model = tiny_model()
     spec = read("fsdp1", {"sharding_strategy": "SHARD_GRAD_OP", "use_orig_params": True,
                           "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
-                          "auto_wrap_policy": {"transformer_layer_cls": ["Block"]}, "backward_prefetch": "BACKWARD_POST"})
+                          "auto_wrap_policy": {"transformer_layer_cls": ["Block"]},
+                          "backward_prefetch": "BACKWARD_POST"})
     kwargs = to_fsdp1_kwargs(spec, module=model)
     assert kwargs["sharding_strategy"] is ShardingStrategy.SHARD_GRAD_OP
     assert kwargs["backward_prefetch"] is TorchPrefetch.BACKWARD_POST

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import AUTO, DType, StrategySpec, is_auto
+from zerobridge.spec import AUTO, DType, Stage, StrategySpec, is_auto
 from zerobridge.translate.keys import FALSY, TRUTHY, SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -418,10 +418,13 @@ def _read_deepspeed(keys: SourceKeys, mixed: str, world: int | None, base_dir: P
                             target="batch.accumulation_steps")
         keys.report.add(keys.key(file_key), Status.EXACT, f"read {ds_path}", target="")
         spec = t.value
-        if moe:
+        if moe and spec.sharding.stage is Stage.PARAMETERS:
             leaves = tuple(dict.fromkeys((*getattr(spec.wrapping, "leaf_classes", ()), *moe)))
             spec = update_spec(spec, {"wrapping": {"policy": "every_module", "leaf_classes": leaves}})
             keys.note(D + "deepspeed_moe_layer_cls_names")
+        elif moe:
+            keys.report.add(keys.key(D + "deepspeed_moe_layer_cls_names"), Status.EXACT,
+                            "unused below stage 3: ZeRO leaf modules only change stage-3 gathering")
     else:
         spec = _inline_deepspeed(keys, mixed, moe, read_deepspeed)
     return update_spec(spec, {"sharding.world_size": world}, source=loc.source)
@@ -455,8 +458,13 @@ def _inline_deepspeed(keys: SourceKeys, mixed: str, moe: list[str], reader: Any)
     if clip:
         config["gradient_clipping"] = clip
     for name in ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
-                 "zero3_save_16bit_model", "deepspeed_moe_layer_cls_names"):
+                 "zero3_save_16bit_model"):
         keys.note(D + name)
+    if moe and zero.get("stage") != 3:
+        keys.note(D + "deepspeed_moe_layer_cls_names", Status.EXACT,
+                  "unused below stage 3: ZeRO leaf modules only change stage-3 gathering")
+    else:
+        keys.note(D + "deepspeed_moe_layer_cls_names")
     if clip:
         keys.note(D + "gradient_clipping",
                   extra="\"auto\" becomes 1.0 when the model is prepared" if is_auto(clip) else "")

@@ -25,8 +25,8 @@ from pydantic import ValidationError
 
 from zerobridge.errors import closest, from_validation_error
 from zerobridge.spec import (
-    AUTO, DType, DynamicLossScale, EveryModuleWrap, GradSync, NoLossScale, ShardingSpec, StaticLossScale,
-    StrategySpec, is_auto,
+    AUTO, DType, DynamicLossScale, EveryModuleWrap, GradSync, NoLossScale, RootWrap, ShardingSpec,
+    StaticLossScale, StrategySpec, is_auto,
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
@@ -166,7 +166,7 @@ def read_deepspeed(located: Located) -> Translation[StrategySpec]:
         "offload": _offload(keys, stage),
         "precision": _precision(keys),
         "communication": _communication(keys, stage),
-        "wrapping": _wrapping(keys),
+        "wrapping": _wrapping(keys, stage),
         "batch": _batch(keys, stage),
         "checkpoint": _checkpoint(keys),
     }
@@ -373,7 +373,7 @@ def _communication(keys: _Keys, stage: Stage) -> dict[str, Any]:
     return fields
 
 
-def _wrapping(keys: _Keys) -> dict[str, Any]:
+def _wrapping(keys: _Keys, stage: Stage) -> dict[str, Any]:
     leaf = keys.get("zero_optimization.leaf_module")
     classes: tuple[str, ...] = ()
     if leaf is not None:
@@ -381,7 +381,12 @@ def _wrapping(keys: _Keys) -> dict[str, Any]:
             raise keys.located.error("expected {classes: [...], names: [...], name_suffixes: [...]}",
                                      key="zero_optimization.leaf_module")
         classes = tuple(str(c) for c in leaf.get("classes", ()))
-        keys.note("zero_optimization.leaf_module")
+        keys.note("zero_optimization.leaf_module", None if stage is Stage.PARAMETERS else Status.EXACT,
+                  "" if stage is Stage.PARAMETERS else "unused below stage 3")
+    if stage is not Stage.PARAMETERS:
+        # Below stage 3 every rank holds the whole model at all times: one
+        # unit, the root, is what that means in FSDP terms.
+        return RootWrap().model_dump()
     return EveryModuleWrap(leaf_classes=classes).model_dump()
 
 

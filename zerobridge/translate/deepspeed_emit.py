@@ -178,7 +178,7 @@ def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], repor
 def _wrapping(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Report) -> None:
     wrap = spec.wrapping
     if isinstance(wrap, EveryModuleWrap):
-        if wrap.leaf_classes:
+        if wrap.leaf_classes and stage is Stage.PARAMETERS:
             zero["leaf_module"] = {"classes": list(wrap.leaf_classes)}
         return
     if stage is Stage.PARAMETERS:

@@ -34,7 +34,7 @@ from zerobridge.spec import (
     LossScaling, NoLossScale, OffloadDevice, ParamSharding, RootWrap, SizeWrap, Stage,
     StaticLossScale, StrategySpec, TransformerWrap, WrapSpec, is_auto,
 )
-from zerobridge.translate.mapping import MappingTable, load_table
+from zerobridge.translate.mapping import MappingTable, Row, load_table
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import as_bool, as_dtype, as_float, as_int, torch_dtype_name
@@ -133,13 +133,18 @@ class TableReader:
         self.check_keys(path, value)
         return value
 
-    def take(self, path: str, *, minimum: float | None = None, nullable: bool = False) -> Any:
-        """The coerced value at ``path``, or torch's default when absent."""
+    def _fetch(self, path: str) -> tuple[Row, Any, bool]:
+        """The row, the value (torch's default when absent) and whether it was given."""
         row = self.table.row(path)
         value, present = self.raw(path)
         if not present:
             value = row.default if row.has_default else None
         self._record(path, present, value)
+        return row, value, present
+
+    def take(self, path: str, *, minimum: float | None = None, nullable: bool = False) -> Any:
+        """The coerced value at ``path``, or torch's default when absent."""
+        row, value, present = self._fetch(path)
         if value is None:
             if present and row.has_default and not nullable:
                 raise self.error(path, "must not be null", fix=f"remove it for torch's default {shown(row.default)}")
@@ -159,11 +164,7 @@ class TableReader:
     def enum(self, path: str, *, aliases: Mapping[str, str] | None = None, nullable: bool = False) -> str | None:
         """One of the row's ``values``, matched case-insensitively, or ``None``
         where null is allowed."""
-        row = self.table.row(path)
-        value, present = self.raw(path)
-        if not present:
-            value = row.default if row.has_default else None
-        self._record(path, present, value)
+        row, value, _ = self._fetch(path)
         valid = ", ".join(row.values) + (", or null" if nullable else "")
         if value is None:
             if nullable or not row.has_default:
@@ -487,9 +488,10 @@ def write_wrap(spec: StrategySpec, report: Report, *, target: str) -> dict[str, 
     assert isinstance(w, EveryModuleWrap)
     leaves = f"; leaf classes {list(w.leaf_classes)} are gathered whole in their layer" if w.leaf_classes else ""
     report.add("wrapping", Status.APPROXIMATED, "DeepSpeed needs no units (ZeRO-3 fetches each module that owns "
-               "parameters on its own); FSDP gathers and reduces whole units. Written as one unit per transformer layer (\"auto\": the model's "
-               "_no_split_modules), as Accelerate does: same math, a larger gathered working set, fewer collectives "
-               "(a size-based policy can silently leave small layers in the root unit)" + leaves, target=target)
+               "parameters on its own); FSDP gathers and reduces whole units. Written as one unit per transformer "
+               "layer (\"auto\": the model's _no_split_modules), as Accelerate does: same math, a larger gathered "
+               "working set, fewer collectives (a size-based policy can silently leave small layers in the root "
+               "unit)" + leaves, target=target)
     return {"transformer_layer_cls": AUTO}
 
 

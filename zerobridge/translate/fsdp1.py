@@ -302,7 +302,8 @@ def to_fsdp1_kwargs(spec: StrategySpec, *, world_size: int | None = None,
         dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
         kwargs["mixed_precision"] = MixedPrecision(**dtypes, **{k: mp[k] for k in MP_CARRIED})
     if wrap is not None and "min_num_params" in wrap:
-        kwargs["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy, min_num_params=wrap["min_num_params"])
+        kwargs["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy,
+                                                       min_num_params=wrap["min_num_params"])
     elif wrap is not None:
         kwargs["auto_wrap_policy"] = functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(wrap["transformer_layer_cls"], module))

@@ -309,7 +309,8 @@ def fsdp2_units(spec: StrategySpec, module: nn.Module) -> list[nn.Module]:
 
     def claim(node: nn.Module) -> int:
         size = sum(claim(child) for child in node.children()) + sum(p.numel() for p in node.parameters(recurse=False))
-        if node is not module and size >= form["min_num_params"] and not isinstance(node, (nn.ModuleList, nn.ModuleDict)):
+        container = isinstance(node, (nn.ModuleList, nn.ModuleDict))
+        if node is not module and size >= form["min_num_params"] and not container:
             units.append(node)
             return 0
         return size

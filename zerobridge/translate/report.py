@@ -67,7 +67,7 @@ class Report:
 
     def add(self, key: str, status: Status, note: str = "", *, target: str = "") -> None:
         """Record what happened to ``key``; a later entry for the same key and
-        status replaces the earlier one."""
+        target replaces the earlier one."""
         entry = Entry(key, status, note, target)
         for i, old in enumerate(self.entries):
             if old.key == key and old.target == target:
