@@ -18,8 +18,8 @@ Reading turns the YAML into the FSDP1/FSDP2 keyword arguments or the DeepSpeed
 JSON that Accelerate itself would build and hands them to the FSDP and DeepSpeed
 readers; this module adds only what Accelerate decides: the launcher's defaults
 and quirks, the world size, hybrid groups, its fp32 upcast and GradScaler.
-The writers are in ``accelerate_emit``; ``SourceKeys`` and the other helpers
-shared with the Lightning and torchtitan translators are in ``keys``.
+The writers are in ``accelerate_emit``; ``SourceKeys`` (the key reader every
+translator shares) and the other shared helpers are in ``keys``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
     directory ``accelerate launch`` runs in); default: the YAML's directory.
     """
     report = Report(source=FORMAT, target="spec")
-    keys = SourceKeys(located, load_table(FORMAT), report, consumer="Accelerate", normalize=_fsdp_prefix)
+    keys = SourceKeys(located, load_table(FORMAT), report, consumer="Accelerate", bools="accelerate",
+                      normalize=_fsdp_prefix)
     if not keys.given("distributed_type"):
         raise located.error("no distributed_type: Accelerate refuses a config without one",
                             fix="add distributed_type: FSDP, DEEPSPEED or MULTI_GPU")

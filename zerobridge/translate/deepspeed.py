@@ -13,8 +13,10 @@ rejected, ``1e9`` accepted for integers, ``stage3_*`` and unprefixed aliases
 (both given is an error), deprecated keys mapped to their replacements,
 unknown keys inside the strictly validated sections rejected, ``"auto"`` kept.
 Where DeepSpeed silently ignores something (offload_param below stage 3, a
-misspelled top-level key) this reader warns or refuses instead. The writer is
-``zerobridge.translate.deepspeed_emit``.
+misspelled top-level key) this reader warns or refuses instead. The keys are
+walked by ``zerobridge.translate.keys.SourceKeys`` with DeepSpeed's options
+(JSON booleans, near-miss top-level keys refused, aliases named); this module
+says what each setting means. The writer is ``zerobridge.translate.deepspeed_emit``.
 """
 
 from __future__ import annotations
@@ -23,125 +25,23 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from zerobridge.errors import closest, from_validation_error
+from zerobridge.errors import from_validation_error
 from zerobridge.spec import (
     AUTO, DType, DynamicLossScale, EveryModuleWrap, GradSync, NoLossScale, RootWrap, ShardingSpec,
     StaticLossScale, StrategySpec, is_auto,
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
-from zerobridge.translate.mapping import MappingTable, Row, load_table
+from zerobridge.translate.keys import SourceKeys
+from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import as_bool, as_dtype, as_float, as_int
+from zerobridge.translate.values import as_dtype
 
 __all__ = ["read_deepspeed"]
 
 FORMAT = "deepspeed"
 _SIZES = {"fp32": DType.FP32, "fp16": DType.FP16, "bf16": DType.BF16}
-
-
-class _Keys:
-    """The source's keys, resolved through the table: canonical path -> value."""
-
-    def __init__(self, located: Located, table: MappingTable, report: Report) -> None:
-        self.located, self.table, self.report = located, table, report
-        self.values: dict[str, Any] = {}
-        self.given_as: dict[str, str] = {}
-        self.carried: dict[str, Any] = {}
-        self._walk("", located.data)
-
-    def _walk(self, prefix: str, obj: dict[str, Any]) -> None:
-        for key, value in obj.items():
-            path = f"{prefix}.{key}" if prefix else str(key)
-            row = self.table.find(path)
-            if row is not None and (row.type == "section" or not isinstance(value, dict)):
-                self._take(path, row, value)
-            elif self.table.is_passthrough(path):
-                self.carried[path] = value
-                self.report.add(path, Status.NOT_ABOUT_SHARDING, "carried verbatim")
-            elif isinstance(value, dict) and self.table.children(path):
-                self._walk(path, value)
-            elif row is not None:
-                raise self.located.error(f"expected a single value, got a section {value!r}", key=path)
-            else:
-                self._unknown(prefix, path, key, value)
-
-    def _take(self, path: str, row: Row, value: Any) -> None:
-        if row.path in self.given_as and self.given_as[row.path] != path:
-            raise self.located.error(
-                f"given twice, as {self.given_as[row.path]!r} and {path!r} (aliases of one setting)",
-                key=path, fix=f"keep only {row.path!r}")
-        self.given_as[row.path] = path
-        self.values[row.path] = value
-
-    def _unknown(self, prefix: str, path: str, key: str, value: Any) -> None:
-        known = self.table.children(prefix)
-        suggestion = closest(key, known)
-        if prefix in self.table.strict_sections or prefix == "" and suggestion and _very_close(key, suggestion):
-            where = f"in {prefix!r}" if prefix else "at the top level"
-            fix = f"did you mean {suggestion!r}?" if suggestion else f"valid keys {where}: {', '.join(known)}"
-            reason = ("DeepSpeed rejects unknown keys here" if prefix in self.table.strict_sections
-                      else "DeepSpeed would silently ignore it")
-            raise self.located.error(f"unknown key {key!r} {where}: {reason}", key=path, fix=fix)
-        if prefix.startswith("zero_optimization") or prefix in ("fp16", "bf16"):
-            raise self.located.error(f"unknown key {key!r}", key=path, fix=f"valid keys: {', '.join(known)}")
-        self.carried[path] = value
-        self.report.add(path, Status.NOT_ABOUT_SHARDING,
-                        "not a DeepSpeed setting zerobridge knows; DeepSpeed ignores unknown top-level keys; carried")
-
-    def has(self, path: str) -> bool:
-        return path in self.values
-
-    def get(self, path: str) -> Any:
-        """The value for canonical ``path`` (validated by type), or the row's default."""
-        row = self.table.row(path)
-        if path not in self.values:
-            return row.default if row.has_default else None
-        return self._coerce(self.given_as[path], row, self.values[path])
-
-    def _coerce(self, key: str, row: Row, value: Any) -> Any:
-        loc = self.located
-        if row.type == "int":
-            return as_int(loc, key, value, auto=row.auto, minimum=None)
-        if row.type == "float":
-            return as_float(loc, key, value, auto=row.auto)
-        if row.type == "bool":
-            return as_bool(loc, key, value, auto=row.auto)
-        if row.type in ("enum", "str") and row.values:
-            text = str(value).lower() if value is not None else "none"
-            if text not in row.values:
-                raise loc.error(f"expected one of {', '.join(row.values)}, got {value!r}", key=key)
-            return text
-        return value
-
-    def note(self, path: str, status: Status | None = None, extra: str = "", target: str = "") -> None:
-        """Report ``path`` (as the user spelled it) with its table note."""
-        row = self.table.row(path)
-        if path not in self.values:
-            if row.has_default:
-                self.report.add(path, Status.DEFAULT, _join(f"absent: DeepSpeed default {row.default!r}", extra),
-                                target=target or row.spec)
-            return
-        key = self.given_as[path]
-        value = self.values[path]
-        if row.auto and is_auto(value):
-            self.report.add(key, Status.AUTO, _join("kept as \"auto\": filled at run time by HF Trainer or "
-                                                    "Accelerate", extra), target=target or row.spec)
-            return
-        alias = f"alias of {path}; " if key != path else ""
-        deprecated = f"deprecated, read as {row.deprecated}; " if row.deprecated else ""
-        self.report.add(key, status or row.status, _join(f"{deprecated}{alias}{row.note}", extra),
-                        target=target or row.spec)
-
-
-def _very_close(word: str, match: str) -> bool:
-    import difflib
-    return difflib.SequenceMatcher(None, word, match).ratio() >= 0.85
-
-
-def _join(*parts: str) -> str:
-    return "; ".join(p for p in parts if p)
 
 
 def read_deepspeed(located: Located) -> Translation[StrategySpec]:
@@ -159,7 +59,9 @@ def read_deepspeed(located: Located) -> Translation[StrategySpec]:
     if "bfloat16" in data:
         data["bf16"] = data.pop("bfloat16")
         report.add("bfloat16", Status.EXACT, "deprecated section name, read as bf16")
-    keys = _Keys(Located(data, located.source, located.text, located.lines), load_table(FORMAT), report)
+    keys = SourceKeys(Located(data, located.source, located.text, located.lines), load_table(FORMAT), report,
+                      consumer="DeepSpeed", top_level_typos="error", filled_by="HF Trainer or Accelerate",
+                      name_aliases=True, carried_note="carried verbatim", null_is_empty=False)
     stage = Stage(_stage(keys))
     fields: dict[str, Any] = {
         "sharding": _sharding(keys, stage),
@@ -179,7 +81,7 @@ def read_deepspeed(located: Located) -> Translation[StrategySpec]:
     return Translation(spec, report)
 
 
-def _stage(keys: _Keys) -> int:
+def _stage(keys: SourceKeys) -> int:
     stage = keys.get("zero_optimization.stage")
     if stage not in (0, 1, 2, 3):
         raise keys.located.error(f"expected a ZeRO stage 0, 1, 2 or 3, got {stage!r}",
@@ -192,7 +94,7 @@ def _stage(keys: _Keys) -> int:
     return int(stage)
 
 
-def _sharding(keys: _Keys, stage: Stage) -> dict[str, Any]:
+def _sharding(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
     fields: dict[str, Any] = dict(ShardingSpec.for_stage(stage).model_dump())
     mics = keys.get("zero_optimization.mics_shard_size")
     if mics is not None and mics > 0:
@@ -202,7 +104,7 @@ def _sharding(keys: _Keys, stage: Stage) -> dict[str, Any]:
         else:
             fields["shard_group"] = mics
             keys.note("zero_optimization.mics_shard_size")
-    elif keys.has("zero_optimization.mics_shard_size"):
+    elif keys.given("zero_optimization.mics_shard_size"):
         keys.note("zero_optimization.mics_shard_size", Status.EXACT, "off")
     hpz = keys.get("zero_optimization.zero_hpz_partition_size")
     if hpz is not None and hpz > 1:
@@ -212,12 +114,12 @@ def _sharding(keys: _Keys, stage: Stage) -> dict[str, Any]:
         else:
             fields["backward_gather_group"] = hpz
             keys.note("zero_optimization.zero_hpz_partition_size")
-    elif keys.has("zero_optimization.zero_hpz_partition_size"):
+    elif keys.given("zero_optimization.zero_hpz_partition_size"):
         keys.note("zero_optimization.zero_hpz_partition_size", Status.EXACT, "off")
     return fields
 
 
-def _offload(keys: _Keys, stage: Stage) -> dict[str, Any]:
+def _offload(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
     legacy_pin = keys.get("zero_optimization.cpu_offload_use_pin_memory")
     tiers: dict[str, dict[str, Any]] = {}
     for tier, section, legacy in (("optimizer", "offload_optimizer", "cpu_offload"),
@@ -226,17 +128,17 @@ def _offload(keys: _Keys, stage: Stage) -> dict[str, Any]:
         rows = [r for r in keys.table.rows if r.path.startswith(prefix + ".")]
         fields: dict[str, Any] = {}
         for row in rows:
-            if keys.has(row.path) or row.has_default:
+            if keys.given(row.path) or row.has_default:
                 fields[row.spec.rsplit(".", 1)[1]] = keys.get(row.path)
         legacy_on = keys.get(f"zero_optimization.{legacy}")
-        if keys.has(f"zero_optimization.{legacy}"):
-            if keys.has(f"{prefix}.device"):
+        if keys.given(f"zero_optimization.{legacy}"):
+            if keys.given(f"{prefix}.device"):
                 raise keys.located.error(f"deprecated {legacy!r} given together with its replacement "
                                          f"{section}.device", key=f"zero_optimization.{legacy}",
                                          fix=f"delete {legacy!r}")
             fields["device"] = "cpu" if legacy_on else "none"
             keys.note(f"zero_optimization.{legacy}")
-        if legacy_pin is not None and not keys.has(f"{prefix}.pin_memory"):
+        if legacy_pin is not None and not keys.given(f"{prefix}.pin_memory"):
             fields["pin_memory"] = legacy_pin
         if fields.get("device") != "nvme" and fields.get("nvme_path") not in (None, ""):
             keys.note(f"{prefix}.nvme_path", Status.IGNORED, "device is not nvme, so the path is unused")
@@ -245,16 +147,18 @@ def _offload(keys: _Keys, stage: Stage) -> dict[str, Any]:
             if row.path != f"{prefix}.nvme_path" or keys.report.find(row.path) is None:
                 keys.note(row.path)
         tiers[tier] = fields
-    if keys.has("zero_optimization.cpu_offload_use_pin_memory"):
+    if keys.given("zero_optimization.cpu_offload_use_pin_memory"):
         keys.note("zero_optimization.cpu_offload_use_pin_memory")
     param_device = tiers["parameters"].get("device", "none")
     if param_device != "none" and stage is not Stage.PARAMETERS:
-        keys.note("zero_optimization.offload_param.device", Status.IGNORED,
+        path = "zero_optimization.offload_param.device"  # absent when the legacy key set it: reported as the default
+        keys.note(path, Status.IGNORED if keys.given(path) else None,
                   f"DeepSpeed ignores parameter offload at stage {stage.value}: parameters stay in memory")
         tiers["parameters"] = {"device": "none"}
     opt_device = tiers["optimizer"].get("device", "none")
     if opt_device != "none" and stage is Stage.NONE:
-        keys.note("zero_optimization.offload_optimizer.device", Status.IGNORED,
+        path = "zero_optimization.offload_optimizer.device"
+        keys.note(path, Status.IGNORED if keys.given(path) else None,
                   "DeepSpeed offloads optimizer state only with ZeRO (stage 1 or higher)")
         tiers["optimizer"] = {"device": "none"}
     size = keys.get("zero_optimization.sub_group_size")
@@ -262,15 +166,15 @@ def _offload(keys: _Keys, stage: Stage) -> dict[str, Any]:
     return {**tiers, "sub_group_size": size}
 
 
-def _dtype_key(keys: _Keys, path: str) -> DType | None:
+def _dtype_key(keys: SourceKeys, path: str) -> DType | None:
     value = keys.get(path)
     if value is None:
         return None
     keys.note(path)
-    return _SIZES[value] if value in _SIZES else as_dtype(keys.located, keys.given_as[path], value)
+    return _SIZES[value] if value in _SIZES else as_dtype(keys.located, keys.key(path), value)
 
 
-def _precision(keys: _Keys) -> dict[str, Any]:
+def _precision(keys: SourceKeys) -> dict[str, Any]:
     fp16, bf16 = keys.get("fp16.enabled"), keys.get("bf16.enabled")
     keys.note("fp16.enabled")
     keys.note("bf16.enabled")
@@ -298,7 +202,7 @@ def _precision(keys: _Keys) -> dict[str, Any]:
             master = dtype
         keys.note(flag)
     reduce = _dtype_key(keys, "communication_data_type") or compute
-    if not keys.has("communication_data_type"):
+    if not keys.given("communication_data_type"):
         keys.report.add("communication_data_type", Status.DEFAULT,
                         f"absent: DeepSpeed reduces in the compute dtype ({compute})", target="precision.reduce_dtype")
     accumulate = _dtype_key(keys, "data_types.grad_accum_dtype") or compute
@@ -317,12 +221,12 @@ def _precision(keys: _Keys) -> dict[str, Any]:
     return fields
 
 
-def _loss_scaling(keys: _Keys, compute: Any) -> Any:
+def _loss_scaling(keys: SourceKeys, compute: Any) -> Any:
     paths = ("fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
              "fp16.consecutive_hysteresis", "fp16.min_loss_scale")
     if compute not in (DType.FP16, AUTO) or keys.get("fp16.enabled") is False:
         for path in paths:
-            if keys.has(path):
+            if keys.given(path):
                 keys.note(path, Status.EXACT, "unused: fp16 is not enabled, so there is no loss scaling")
         return NoLossScale()
     for path in paths:
@@ -339,7 +243,7 @@ def _loss_scaling(keys: _Keys, compute: Any) -> Any:
     )
 
 
-def _communication(keys: _Keys, stage: Stage) -> dict[str, Any]:
+def _communication(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for path in ("zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
                  "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_max_live_parameters",
@@ -347,14 +251,14 @@ def _communication(keys: _Keys, stage: Stage) -> dict[str, Any]:
                  "zero_optimization.stage3_model_persistence_threshold"):
         value = keys.get(path)
         if isinstance(value, int) and value < 0:
-            raise keys.located.error(f"must be >= 0, got {value}", key=keys.given_as.get(path, path))
+            raise keys.located.error(f"must be >= 0, got {value}", key=keys.key(path))
         if value is not None:
             fields[keys.table.row(path).spec.split(".")[1]] = value
         keys.note(path)
     if "model_persistence_threshold" in fields and fields["model_persistence_threshold"] >= 2**62:
         fields["model_persistence_threshold"] = None
-    if keys.has("zero_optimization.stage3_param_persitence_threshold"):
-        keys.report.add(keys.given_as["zero_optimization.stage3_param_persitence_threshold"], Status.IGNORED,
+    if keys.given("zero_optimization.stage3_param_persitence_threshold"):
+        keys.report.add(keys.key("zero_optimization.stage3_param_persitence_threshold"), Status.IGNORED,
                         keys.table.row("zero_optimization.stage3_param_persitence_threshold").note)
     overlap = keys.get("zero_optimization.overlap_comm")
     if overlap is None:
@@ -373,7 +277,7 @@ def _communication(keys: _Keys, stage: Stage) -> dict[str, Any]:
     return fields
 
 
-def _wrapping(keys: _Keys, stage: Stage) -> dict[str, Any]:
+def _wrapping(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
     leaf = keys.get("zero_optimization.leaf_module")
     classes: tuple[str, ...] = ()
     if leaf is not None:
@@ -390,7 +294,7 @@ def _wrapping(keys: _Keys, stage: Stage) -> dict[str, Any]:
     return EveryModuleWrap(leaf_classes=classes).model_dump()
 
 
-def _batch(keys: _Keys, stage: Stage) -> dict[str, Any]:
+def _batch(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
     micro = keys.get("train_micro_batch_size_per_gpu")
     accumulation = keys.get("gradient_accumulation_steps")
     global_batch = keys.get("train_batch_size")
@@ -406,7 +310,7 @@ def _batch(keys: _Keys, stage: Stage) -> dict[str, Any]:
                         else "absent: 1", target="batch.accumulation_steps")
         accumulation = None if derivable else 1
     clip = keys.get("gradient_clipping")
-    if keys.has("gradient_clipping"):
+    if keys.given("gradient_clipping"):
         keys.note("gradient_clipping")
     else:
         keys.report.add("gradient_clipping", Status.DEFAULT,
@@ -419,14 +323,14 @@ def _batch(keys: _Keys, stage: Stage) -> dict[str, Any]:
             "clip_grad_norm": None if clip == 0 else clip, "grad_sync": sync}
 
 
-def _checkpoint(keys: _Keys) -> dict[str, Any]:
+def _checkpoint(keys: SourceKeys) -> dict[str, Any]:
     new, old = ("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                 "zero_optimization.stage3_gather_fp16_weights_on_model_save")
-    if keys.has(new) and keys.has(old):
+    if keys.given(new) and keys.given(old):
         raise keys.located.error(f"deprecated {old.split('.')[1]!r} given together with its replacement",
                                  key=old, fix=f"keep only {new.split('.')[1]!r}")
-    gather = keys.get(old) if keys.has(old) else keys.get(new)
-    keys.note(old if keys.has(old) else new)
+    gather = keys.get(old) if keys.given(old) else keys.get(new)
+    keys.note(old if keys.given(old) else new)
     if is_auto(gather):
         return {"format": AUTO}
     return {"format": CheckpointFormat.CONSOLIDATED_16BIT if gather else CheckpointFormat.SHARDED}

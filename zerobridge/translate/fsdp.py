@@ -1,5 +1,5 @@
 """PyTorch FSDP1 and FSDP2 to and from the spec: the entry point, and what the
-two translators share (reading keys through a mapping table, the
+two translators share (reading values the way torch does, the
 ``training_loop`` section, wrapping, meshes, the settings FSDP fixes where
 DeepSpeed has a knob).
 
@@ -17,7 +17,9 @@ DeepSpeed has a knob).
 arguments plus a reserved ``training_loop`` section: what the loop around FSDP
 must do (clipping, accumulation, loss scaling), so that no run depends on a
 silent default. A table row without ``default`` means torch's default is
-``None`` (TOML has no null).
+``None`` (TOML has no null). ``read_keys`` walks a form through its table with
+``keys.SourceKeys`` (every section is strict); ``take``, ``choice`` and
+``section`` read one value as torch does and record it in the report.
 """
 
 from __future__ import annotations
@@ -26,18 +28,19 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pydantic import JsonValue, ValidationError
+from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, closest, from_validation_error
+from zerobridge.errors import ConfigError, from_validation_error
 from zerobridge.spec import (
     AUTO, BatchSpec, CheckpointFormat, DType, DynamicLossScale, EveryModuleWrap, GradSync,
     LossScaling, NoLossScale, OffloadDevice, ParamSharding, RootWrap, SizeWrap, Stage,
     StaticLossScale, StrategySpec, TransformerWrap, WrapSpec, is_auto,
 )
-from zerobridge.translate.mapping import MappingTable, Row, load_table
+from zerobridge.translate.keys import SourceKeys
+from zerobridge.translate.mapping import Row, load_table
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import as_bool, as_dtype, as_float, as_int, torch_dtype_name
+from zerobridge.translate.values import as_int, torch_dtype_name
 
 if TYPE_CHECKING:  # torch is imported only by the live-object builders
     from torch import nn
@@ -57,9 +60,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    *_PUBLIC, "DIM_NAMES", "PER_UNIT", "Loop", "StagePlan", "TableReader", "accumulate_dtype_for",
-    "mesh_form", "read_mesh", "read_training_loop", "read_wrap", "report_fixed_behaviour",
-    "resolve_precision", "stage_plan", "write_offload", "write_training_loop", "write_wrap",
+    *_PUBLIC, "DIM_NAMES", "PER_UNIT", "Loop", "StagePlan", "accumulate_dtype_for", "choice",
+    "mesh_form", "read_keys", "read_mesh", "read_training_loop", "read_wrap", "report_fixed_behaviour",
+    "resolve_precision", "section", "stage_plan", "take", "write_offload", "write_training_loop", "write_wrap",
     "build_mesh", "check_precision", "checkpoint_format", "device_type", "layer_classes", "with_world_size",
 ]
 
@@ -74,117 +77,64 @@ def shown(value: Any) -> str:
     return json.dumps(value)
 
 
-class TableReader:
-    """Reads one FSDP JSON form key by key, validating against the mapping table
-    and recording each key in the report."""
+def read_keys(located: Located, fmt: str, report: Report) -> SourceKeys:
+    """The keys of one FSDP JSON form, walked through its mapping table (every
+    section is strict: an unknown key is an error naming the closest one)."""
+    if not isinstance(located.data, dict):
+        raise located.error("expected a JSON object at the top", fix="wrap the settings in { ... }")
+    return SourceKeys(located, load_table(fmt), report, consumer="torch", locate_unknown=False)
 
-    def __init__(self, located: Located, fmt: str, report: Report) -> None:
-        if not isinstance(located.data, dict):
-            raise located.error("expected a JSON object at the top", fix="wrap the settings in { ... }")
-        self.located = located
-        self.table: MappingTable = load_table(fmt)
-        self.report = report
-        self.passthrough: dict[str, JsonValue] = {}
-        self.check_keys("", located.data)
 
-    def error(self, path: str, message: str, fix: str | None = None) -> ConfigError:
-        return self.located.error(message, key=path or None, fix=fix)
+def _fetch(r: SourceKeys, path: str) -> tuple[Row, Any]:
+    """The row and the value (torch's default when absent), recorded in the report."""
+    row = r.table.row(path)
+    if r.given(path):
+        r.note(path)
+        return row, r.values[path]
+    value = row.default if row.has_default else None
+    whose = "default" if path.startswith("training_loop") else "torch's default"
+    r.report.add(path, Status.DEFAULT, f"not set: {whose} {shown(value)}", target=row.spec)
+    return row, value
 
-    def raw(self, path: str) -> tuple[Any, bool]:
-        """The value at dotted ``path`` and whether it is present."""
-        node: Any = self.located.data
-        for part in path.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return None, False
-            node = node[part]
-        return node, True
 
-    def check_keys(self, path: str, data: Mapping[str, Any]) -> None:
-        """Unknown keys in a strict section are errors naming the closest key."""
-        if path not in self.table.strict_sections:
-            return
-        known = self.table.children(path)
-        for key in data:
-            if key not in known:
-                guess = closest(str(key), known)
-                fix = f"did you mean {guess!r}?" if guess else f"use one of: {', '.join(known)}"
-                raise self.error(f"{path}.{key}" if path else str(key), f"unknown key {key!r}", fix)
+def section(r: SourceKeys, path: str) -> dict[str, Any] | None:
+    """The object at ``path``; ``None`` when it is null or absent."""
+    _, value = _fetch(r, path)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise r.error(path, f"expected an object {{...}} or null, got {shown(value)}")
+    return value
 
-    def mark(self, path: str, status: Status, note: str) -> None:
-        """Replace the report entry of ``path``."""
-        self.report.add(path, status, note, target=self.table.row(path).spec)
 
-    def _record(self, path: str, present: bool, value: Any) -> None:
-        row = self.table.row(path)
-        if present:
-            self.report.add(path, row.status, row.note, target=row.spec)
-        else:
-            whose = "default" if path.startswith("training_loop") else "torch's default"
-            self.report.add(path, Status.DEFAULT, f"not set: {whose} {shown(value)}", target=row.spec)
+def take(r: SourceKeys, path: str, *, minimum: float | None = None, nullable: bool = False) -> Any:
+    """The coerced value at ``path``, or torch's default when absent."""
+    row, value = _fetch(r, path)
+    if value is None:
+        if r.given(path) and row.has_default and not nullable:
+            raise r.error(path, "must not be null", fix=f"remove it for torch's default {shown(row.default)}")
+        return None
+    if row.type == "str" and not isinstance(value, str):
+        raise r.error(path, f"expected a string, got {shown(value)}")
+    return r.coerce(row, value, path, minimum=minimum)
 
-    def section(self, path: str) -> dict[str, Any] | None:
-        """The object at ``path``; ``None`` when it is null or absent."""
-        value, present = self.raw(path)
-        self._record(path, present, None)
-        if value is None:
+
+def choice(r: SourceKeys, path: str, *, aliases: Mapping[str, str] | None = None,
+           nullable: bool = False) -> str | None:
+    """One of the row's ``values``, matched case-insensitively (``torch`` enum
+    prefixes dropped), or ``None`` where null is allowed."""
+    row, value = _fetch(r, path)
+    valid = ", ".join(row.values) + (", or null" if nullable else "")
+    if value is None:
+        if nullable or not row.has_default:
             return None
-        if not isinstance(value, dict):
-            raise self.error(path, f"expected an object {{...}} or null, got {shown(value)}")
-        self.check_keys(path, value)
-        return value
-
-    def _fetch(self, path: str) -> tuple[Row, Any, bool]:
-        """The row, the value (torch's default when absent) and whether it was given."""
-        row = self.table.row(path)
-        value, present = self.raw(path)
-        if not present:
-            value = row.default if row.has_default else None
-        self._record(path, present, value)
-        return row, value, present
-
-    def take(self, path: str, *, minimum: float | None = None, nullable: bool = False) -> Any:
-        """The coerced value at ``path``, or torch's default when absent."""
-        row, value, present = self._fetch(path)
-        if value is None:
-            if present and row.has_default and not nullable:
-                raise self.error(path, "must not be null", fix=f"remove it for torch's default {shown(row.default)}")
-            return None
-        if row.type == "bool":
-            return as_bool(self.located, path, value)
-        if row.type == "int":
-            return as_int(self.located, path, value, minimum=int(minimum) if minimum is not None else 0)
-        if row.type == "float":
-            return as_float(self.located, path, value, minimum=minimum)
-        if row.type == "dtype":
-            return as_dtype(self.located, path, value)
-        if row.type == "str" and not isinstance(value, str):
-            raise self.error(path, f"expected a string, got {shown(value)}")
-        return value
-
-    def enum(self, path: str, *, aliases: Mapping[str, str] | None = None, nullable: bool = False) -> str | None:
-        """One of the row's ``values``, matched case-insensitively, or ``None``
-        where null is allowed."""
-        row, value, _ = self._fetch(path)
-        valid = ", ".join(row.values) + (", or null" if nullable else "")
-        if value is None:
-            if nullable or not row.has_default:
-                return None
-            raise self.error(path, "must not be null", fix=f"use one of {valid}")
-        name = str(value).strip() if not isinstance(value, bool) else ""
-        name = name.rsplit(".", 1)[-1] if not name.replace(".", "").isdigit() else name
-        by_name = {v.lower(): v for v in row.values} | dict(aliases or {})
-        if name.lower() not in by_name:
-            raise self.error(path, f"unknown value {shown(value)}", fix=f"use one of {valid}")
-        return by_name[name.lower()]
-
-    def carry(self, path: str, value: JsonValue, default: JsonValue = None) -> None:
-        """Keep a setting that is not about sharding, when it differs from
-        torch's default, for the way back."""
-        if value != default:
-            self.passthrough[path] = value
-
-    def spec_passthrough(self) -> dict[str, dict[str, JsonValue]]:
-        return {self.table.format: dict(self.passthrough)} if self.passthrough else {}
+        raise r.error(path, "must not be null", fix=f"use one of {valid}")
+    name = str(value).strip() if not isinstance(value, bool) else ""
+    name = name.rsplit(".", 1)[-1] if not name.replace(".", "").isdigit() else name
+    by_name = {v.lower(): v for v in row.values} | dict(aliases or {})
+    if name.lower() not in by_name:
+        raise r.error(path, f"unknown value {shown(value)}", fix=f"use one of {valid}")
+    return by_name[name.lower()]
 
 
 # ----------------------------------------------------------------- reading
@@ -200,43 +150,43 @@ class Loop(NamedTuple):
     skip_nonfinite_steps: bool
 
 
-def read_training_loop(r: TableReader) -> Loop:
+def read_training_loop(r: SourceKeys) -> Loop:
     """Read ``training_loop``; every absent key takes the default stated in the table."""
-    r.section("training_loop")
+    section(r, "training_loop")
     p = "training_loop."
-    clip = r.take(p + "clip_grad_norm", minimum=0.0)
+    clip = take(r, p + "clip_grad_norm", minimum=0.0)
     if clip == 0:
         clip = None
         r.mark(p + "clip_grad_norm", Status.EQUIVALENT, "0 means no clipping, as in DeepSpeed: read as null")
-    accumulation = r.take(p + "gradient_accumulation_steps", minimum=1, nullable=True)
+    accumulation = take(r, p + "gradient_accumulation_steps", minimum=1, nullable=True)
     if accumulation is None:
         r.mark(p + "gradient_accumulation_steps", Status.EXACT, "null: derived by the loop as global_batch_size / "
                "(micro_batch_size x data-parallel size)")
-    sync = r.enum(p + "grad_sync", aliases=GRAD_SYNC_ALIASES)
-    micro = r.take(p + "micro_batch_size", minimum=1)
-    global_batch = r.take(p + "global_batch_size", minimum=1)
-    activation_checkpointing = r.take(p + "activation_checkpointing")
-    master = r.take(p + "master_dtype")
+    sync = choice(r, p + "grad_sync", aliases=GRAD_SYNC_ALIASES)
+    micro = take(r, p + "micro_batch_size", minimum=1)
+    global_batch = take(r, p + "global_batch_size", minimum=1)
+    activation_checkpointing = take(r, p + "activation_checkpointing")
+    master = take(r, p + "master_dtype")
     loss: LossScaling = NoLossScale()
-    if r.section(p + "loss_scaler") is not None:
+    if section(r, p + "loss_scaler") is not None:
         s = p + "loss_scaler."
-        init, growth = r.take(s + "init_scale"), r.take(s + "growth_factor")
-        backoff, interval = r.take(s + "backoff_factor"), r.take(s + "growth_interval", minimum=1)
+        init, growth = take(r, s + "init_scale"), take(r, s + "growth_factor")
+        backoff, interval = take(r, s + "backoff_factor"), take(r, s + "growth_interval", minimum=1)
         for key, ok, rule in ((s + "init_scale", init > 0, "> 0"), (s + "growth_factor", growth > 1, "> 1"),
                               (s + "backoff_factor", 0 < backoff < 1, "between 0 and 1")):
             if not ok:
-                raise r.error(key, f"must be {rule}, got {r.raw(key)[0]!r}")
+                raise r.error(key, f"must be {rule}, got {r.values.get(key)!r}")
         loss = DynamicLossScale(initial_scale=init, growth_factor=growth, backoff_factor=backoff,
                                 growth_interval=interval, hysteresis=1, consecutive_hysteresis=False,
                                 min_scale=0.0)
     skip_key = p + "skip_nonfinite_steps"
-    skip = r.take(skip_key)
+    skip = take(r, skip_key)
     if loss.kind != "none":
-        if r.raw(skip_key)[1] and not skip:
+        if r.given(skip_key) and not skip:
             raise r.error(skip_key, "false contradicts loss_scaler: the scaler skips every step whose "
                           "gradients are not finite", fix="remove skip_nonfinite_steps or set it to true")
         skip = True
-        r.mark(skip_key, Status.DEFAULT if not r.raw(skip_key)[1] else Status.EXACT,
+        r.mark(skip_key, Status.DEFAULT if not r.given(skip_key) else Status.EXACT,
                "true: the loss scaler skips steps whose gradients are not finite")
     try:
         batch = BatchSpec(micro_batch_size=micro, accumulation_steps=accumulation, global_batch_size=global_batch,
@@ -248,7 +198,7 @@ def read_training_loop(r: TableReader) -> Loop:
     return Loop(batch, activation_checkpointing, master, loss, skip)
 
 
-def check_precision(r: TableReader, param_key: str, param: DType, master: DType, loss: LossScaling) -> None:
+def check_precision(r: SourceKeys, param_key: str, param: DType, master: DType, loss: LossScaling) -> None:
     """Combinations FSDP runs but the spec cannot state."""
     if master not in (DType.FP32, param):
         raise r.error(param_key, f"compute dtype {torch_dtype_name(param)} with a model loaded in "
@@ -265,9 +215,9 @@ def accumulate_dtype_for(sync: GradSync, *, master: DType, unsharded: DType) -> 
     return unsharded if sync is GradSync.ACCUMULATION_BOUNDARY else master
 
 
-def read_wrap(r: TableReader, path: str) -> WrapSpec:
+def read_wrap(r: SourceKeys, path: str) -> WrapSpec:
     """``{"transformer_layer_cls": [...]}``, ``{"min_num_params": n}`` or null."""
-    data = r.section(path)
+    data = section(r, path)
     if data is None:
         return RootWrap()
     keys = [k for k in ("transformer_layer_cls", "min_num_params") if k in data]
@@ -275,9 +225,9 @@ def read_wrap(r: TableReader, path: str) -> WrapSpec:
         raise r.error(path, "give exactly one of transformer_layer_cls and min_num_params",
                       fix="or null for a single unit")
     if keys[0] == "min_num_params":
-        return SizeWrap(min_params=r.take(f"{path}.min_num_params", minimum=1))
+        return SizeWrap(min_params=take(r, f"{path}.min_num_params", minimum=1))
     key = f"{path}.transformer_layer_cls"
-    names = r.take(key)
+    names = take(r, key)
     if is_auto(names):
         r.mark(key, Status.AUTO, "\"auto\": the model's _no_split_modules, resolved at wrap time")
         return TransformerWrap(layer_classes=AUTO)
@@ -289,17 +239,17 @@ def read_wrap(r: TableReader, path: str) -> WrapSpec:
     return TransformerWrap(layer_classes=tuple(dict.fromkeys(n.strip() for n in names)))
 
 
-def read_mesh(r: TableReader, path: str) -> tuple[int, ...] | None:
+def read_mesh(r: SourceKeys, path: str) -> tuple[int, ...] | None:
     """The mesh shape (1-D or 2-D), carrying non-default dimension names."""
-    data = r.section(path)
+    data = section(r, path)
     if data is None:
         return None
-    shape = r.take(f"{path}.shape")
+    shape = take(r, f"{path}.shape")
     if not isinstance(shape, list) or len(shape) not in (1, 2):
         raise r.error(f"{path}.shape", f"expected [world] or [replicas, shard_size], got {shown(shape)}")
     dims = tuple(as_int(r.located, f"{path}.shape", n, minimum=1) for n in shape)
     names_key = f"{path}.mesh_dim_names"
-    names = r.take(names_key)
+    names = take(r, names_key)
     if names is not None:
         if (not isinstance(names, list) or len(names) != len(dims) or len(set(names)) != len(names)
                 or not all(isinstance(n, str) and n for n in names)):

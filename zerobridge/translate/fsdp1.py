@@ -27,10 +27,11 @@ from zerobridge.spec import (
     StrategySpec,
 )
 from zerobridge.translate.fsdp import (
-    PER_UNIT, Loop, StagePlan, TableReader, accumulate_dtype_for, build_mesh, check_precision, checkpoint_format,
-    layer_classes, mesh_form, read_mesh, read_training_loop, read_wrap, report_fixed_behaviour, resolve_precision,
-    stage_plan, with_world_size, write_offload, write_training_loop, write_wrap,
+    PER_UNIT, Loop, StagePlan, accumulate_dtype_for, build_mesh, check_precision, checkpoint_format, choice,
+    layer_classes, mesh_form, read_keys, read_mesh, read_training_loop, read_wrap, report_fixed_behaviour,
+    resolve_precision, section, stage_plan, take, with_world_size, write_offload, write_training_loop, write_wrap,
 )
+from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import torch_dtype_name
@@ -60,10 +61,10 @@ MP_CARRIED = ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forw
 def read_fsdp1(located: Located) -> Translation[StrategySpec]:
     """The spec of an FSDP1 JSON form; unknown keys and bad values are ``ConfigError``."""
     report = Report(source=FMT, target="spec")
-    r = TableReader(located, FMT, report)
+    r = read_keys(located, FMT, report)
     sharding = _read_sharding(r)
     offload = OffloadSpec()
-    if r.section("cpu_offload") is not None and r.take("cpu_offload.offload_params"):
+    if section(r, "cpu_offload") is not None and take(r, "cpu_offload.offload_params"):
         if sharding.parameters.sharded_at_rest:
             tier = {"device": OffloadDevice.CPU, "pin_memory": True}
             offload = OffloadSpec(optimizer=OptimizerOffload(**tier), parameters=ParamOffload(**tier))
@@ -72,23 +73,23 @@ def read_fsdp1(located: Located) -> Translation[StrategySpec]:
         else:
             r.mark("cpu_offload.offload_params", Status.NOT_EXPRESSIBLE, "nothing is sharded, and the spec offloads "
                    "parameters only when they are sharded at rest (as DeepSpeed does): dropped")
-    prefetch = r.enum("backward_prefetch", aliases={"1": "BACKWARD_PRE", "2": "BACKWARD_POST", "none": None,
-                                                    "no_prefetch": None}, nullable=True)
+    prefetch = choice(r, "backward_prefetch", aliases={"1": "BACKWARD_PRE", "2": "BACKWARD_POST", "none": None,
+                                                      "no_prefetch": None}, nullable=True)
     communication = CommunicationSpec(
         reduce_bucket=PER_UNIT, allgather_bucket=PER_UNIT, prefetch_bucket=PER_UNIT, overlap_reduce=True,
-        forward_prefetch=r.take("forward_prefetch"), backward_prefetch=PREFETCH[prefetch],
-        max_inflight_gathers=2 if r.take("limit_all_gathers") else None, max_live_parameters=None,
+        forward_prefetch=take(r, "forward_prefetch"), backward_prefetch=PREFETCH[prefetch],
+        max_inflight_gathers=2 if take(r, "limit_all_gathers") else None, max_live_parameters=None,
         max_reuse_distance=None, persistence_threshold=0, model_persistence_threshold=None)
     report.add("communication", Status.DEFAULT, "fixed by FSDP: one collective per wrap unit (buckets "
                "\"per_unit\"), reduction overlapped with backward, no persistence threshold or live-parameter bound")
     for key in CARRIED_FLAGS:
-        r.carry(key, r.take(key), False)
+        r.carry(key, take(r, key), False)
     for key in ("param_init_fn", "ignored_modules"):
-        r.carry(key, r.take(key))
+        r.carry(key, take(r, key))
     loop = read_training_loop(r)
     precision = _read_precision(r, loop)
     wrapping = read_wrap(r, "auto_wrap_policy")
-    state_dict = r.enum("state_dict_type", aliases=STATE_DICT_ALIASES)
+    state_dict = choice(r, "state_dict_type", aliases=STATE_DICT_ALIASES)
     assert state_dict is not None
     if state_dict == "LOCAL_STATE_DICT":
         r.mark("state_dict_type", Status.APPROXIMATED, "LOCAL_STATE_DICT (flat per-rank shards, reloadable only "
@@ -97,12 +98,12 @@ def read_fsdp1(located: Located) -> Translation[StrategySpec]:
         sharding=sharding, offload=offload, precision=precision, communication=communication, wrapping=wrapping,
         batch=loop.batch, checkpoint={"format": STATE_DICT[state_dict],
                                       "activation_checkpointing": loop.activation_checkpointing},
-        passthrough=r.spec_passthrough())
+        passthrough={FMT: r.carried} if r.carried else {})
     return Translation(spec, report)
 
 
-def _read_sharding(r: TableReader) -> ShardingSpec:
-    strategy = r.enum("sharding_strategy", aliases=STRATEGY_ALIASES)
+def _read_sharding(r: SourceKeys) -> ShardingSpec:
+    strategy = choice(r, "sharding_strategy", aliases=STRATEGY_ALIASES)
     assert strategy is not None
     shape = read_mesh(r, "device_mesh")
     hybrid = strategy in HYBRID
@@ -129,24 +130,24 @@ def _read_sharding(r: TableReader) -> ShardingSpec:
     if shape[1] == 1:
         r.mark("device_mesh.shape", Status.EQUIVALENT, "a shard size of 1 shards nothing: stage 0 over "
                f"{shape[0]} replicas, written back as NO_SHARD over a 1-D mesh")
-        r.passthrough.pop("device_mesh.mesh_dim_names", None)
+        r.carried.pop("device_mesh.mesh_dim_names", None)
         return ShardingSpec.for_stage(0, world_size=world)
     r.mark("device_mesh.shape", Status.EXACT, f"shard inside groups of {shape[1]}, replicate across {shape[0]}")
     return ShardingSpec.for_stage(3, parameters=parameters, shard_group=shape[1], world_size=world)
 
 
-def _read_precision(r: TableReader, loop: Loop) -> PrecisionSpec:
+def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
     master = loop.master_dtype
     param, reduce, buffer = master, None, None
-    if r.section("mixed_precision") is not None:
-        param = r.take("mixed_precision.param_dtype") or master
-        reduce = r.take("mixed_precision.reduce_dtype")
-        buffer = r.take("mixed_precision.buffer_dtype")
+    if section(r, "mixed_precision") is not None:
+        param = take(r, "mixed_precision.param_dtype") or master
+        reduce = take(r, "mixed_precision.reduce_dtype")
+        buffer = take(r, "mixed_precision.buffer_dtype")
         for key in MP_CARRIED:
             path = f"mixed_precision.{key}"
-            r.carry(path, r.take(path), r.table.row(path).default)
+            r.carry(path, take(r, path), r.table.row(path).default)
     else:
-        r.mark("mixed_precision", Status.DEFAULT if not r.raw("mixed_precision")[1] else Status.EXACT,
+        r.mark("mixed_precision", Status.DEFAULT if not r.given("mixed_precision") else Status.EXACT,
                f"no mixed precision: compute, reduction and gradients in the loaded dtype, {master.value} "
                "(training_loop.master_dtype)")
     check_precision(r, "mixed_precision.param_dtype", param, master, loop.loss_scaling)

@@ -25,10 +25,11 @@ from zerobridge.spec import (
     OptimizerOffload, ParamOffload, ParamSharding, PrecisionSpec, ShardingSpec, StrategySpec,
 )
 from zerobridge.translate.fsdp import (
-    PER_UNIT, Loop, StagePlan, TableReader, accumulate_dtype_for, build_mesh, check_precision, checkpoint_format,
-    layer_classes, mesh_form, read_mesh, read_training_loop, read_wrap, report_fixed_behaviour, resolve_precision,
-    stage_plan, with_world_size, write_offload, write_training_loop, write_wrap,
+    PER_UNIT, Loop, StagePlan, accumulate_dtype_for, build_mesh, check_precision, checkpoint_format, layer_classes,
+    mesh_form, read_keys, read_mesh, read_training_loop, read_wrap, report_fixed_behaviour, resolve_precision, section,
+    stage_plan, take, with_world_size, write_offload, write_training_loop, write_wrap,
 )
+from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import torch_dtype_name
@@ -45,11 +46,11 @@ NAMES_KEY = "mesh.mesh_dim_names"
 def read_fsdp2(located: Located) -> Translation[StrategySpec]:
     """The spec of an FSDP2 JSON form; unknown keys and bad values are ``ConfigError``."""
     report = Report(source=FMT, target="spec")
-    r = TableReader(located, FMT, report)
+    r = read_keys(located, FMT, report)
     sharding = _read_sharding(r)
     offload = OffloadSpec()
-    if r.section("offload_policy") is not None:
-        pin = r.take("offload_policy.pin_memory")
+    if section(r, "offload_policy") is not None:
+        pin = take(r, "offload_policy.pin_memory")
         if sharding.parameters.sharded_at_rest:
             tier = {"device": OffloadDevice.CPU, "pin_memory": pin}
             offload = OffloadSpec(optimizer=OptimizerOffload(**tier), parameters=ParamOffload(**tier))
@@ -66,25 +67,25 @@ def read_fsdp2(located: Located) -> Translation[StrategySpec]:
                "gradient computation, no forward prefetch unless set_modules_to_forward_prefetch is called, no "
                "all-gather limit flag, no persistence threshold or live-parameter bound")
     for key in ("shard_placement_fn", "ignored_params"):
-        r.carry(key, r.take(key))
+        r.carry(key, take(r, key))
     loop = read_training_loop(r)
     precision = _read_precision(r, loop)
     wrapping = read_wrap(r, "wrap")
-    full = r.take("training_loop.full_state_dict")
+    full = take(r, "training_loop.full_state_dict")
     spec = StrategySpec(
         sharding=sharding, offload=offload, precision=precision, communication=communication, wrapping=wrapping,
         batch=loop.batch, checkpoint={"format": CheckpointFormat.FULL if full else CheckpointFormat.SHARDED,
                                       "activation_checkpointing": loop.activation_checkpointing},
-        passthrough=r.spec_passthrough())
+        passthrough={FMT: r.carried} if r.carried else {})
     return Translation(spec, report)
 
 
-def _read_sharding(r: TableReader) -> ShardingSpec:
+def _read_sharding(r: SourceKeys) -> ShardingSpec:
     shape = read_mesh(r, "mesh")
     world = None if shape is None else shape[0] * (shape[1] if len(shape) == 2 else 1)
     shard = None if shape is None else shape[-1]
     key = "reshard_after_forward"
-    value = r.take(key)
+    value = take(r, key)
     gather: int | None = None
     if value is None:
         value = True
@@ -115,17 +116,17 @@ def _read_sharding(r: TableReader) -> ShardingSpec:
                                   backward_gather_group=gather)
 
 
-def _read_precision(r: TableReader, loop: Loop) -> PrecisionSpec:
+def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
     master = loop.master_dtype
-    r.section("mp_policy")
-    param = r.take("mp_policy.param_dtype") or master
-    if r.raw("mp_policy.param_dtype")[0] is None:
-        r.mark("mp_policy.param_dtype", Status.DEFAULT if not r.raw("mp_policy.param_dtype")[1] else Status.EXACT,
+    section(r, "mp_policy")
+    param = take(r, "mp_policy.param_dtype") or master
+    if r.values.get("mp_policy.param_dtype") is None:
+        r.mark("mp_policy.param_dtype", Status.DEFAULT if not r.given("mp_policy.param_dtype") else Status.EXACT,
                f"null: compute in the loaded dtype, {master.value} (training_loop.master_dtype)")
-    reduce = r.take("mp_policy.reduce_dtype") or param
-    output = r.take("mp_policy.output_dtype")
+    reduce = take(r, "mp_policy.reduce_dtype") or param
+    output = take(r, "mp_policy.output_dtype")
     r.carry("mp_policy.output_dtype", torch_dtype_name(output) if output else None)
-    r.carry("mp_policy.cast_forward_inputs", r.take("mp_policy.cast_forward_inputs"), True)
+    r.carry("mp_policy.cast_forward_inputs", take(r, "mp_policy.cast_forward_inputs"), True)
     check_precision(r, "mp_policy.param_dtype", param, master, loop.loss_scaling)
     accumulate = accumulate_dtype_for(loop.batch.grad_sync, master=master, unsharded=reduce)
     r.report.add("training_loop.grad_sync", Status.EXACT, f"gradients accumulate in {accumulate.value}: reduced "

@@ -79,7 +79,7 @@ def read_lightning(name: str, *, fabric: bool = False, **kwargs: Any) -> Transla
                               key=key, fix=f"did you mean {match!r}?" if match else f"valid: {', '.join(known)}")
         data["Trainer" if key in table.children("Trainer") else cls][key] = value
     located = Located(data, f"lightning:{name}")
-    keys = SourceKeys(located, table, report, consumer="Lightning")
+    keys = SourceKeys(located, table, report, consumer="Lightning", bools="accelerate")
     if cls == "DDPStrategy":
         spec = _read_ddp(keys)
     elif cls == "DeepSpeedStrategy":

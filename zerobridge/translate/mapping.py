@@ -5,15 +5,18 @@ Each table is a TOML file with one ``[[key]]`` row per source key:
     path     = "zero_optimization.reduce_bucket_size"   # canonical key path
     aliases  = ["zero_optimization.stage3_..."]          # other accepted names
     spec     = "communication.reduce_bucket"             # spec field, or ""
-    type     = "int"        # int | float | bool | str | enum | section | structural
+    type     = "int"        # int | float | bool | str | enum | dtype | section | structural
     default  = 500000000    # the source's own default (absent: none)
     auto     = true         # whether "auto" is accepted
     status   = "exact"      # how reading it maps (a report Status)
     note     = "..."        # what the report and docs say
     deprecated = "..."      # for legacy names: what replaces it
 
-The translators read rows for validation, aliases, defaults and notes; the
-docs generator renders the same rows, so docs and code cannot drift.
+A ``section`` row is an object whose keys have rows of their own, a
+``structural`` one takes any value whole (lists, objects), every other type a
+single value. ``keys.SourceKeys`` reads a source through its table for
+validation, aliases, defaults and notes; the docs generator renders the same
+rows, so docs and code cannot drift.
 """
 
 from __future__ import annotations

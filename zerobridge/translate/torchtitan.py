@@ -56,7 +56,7 @@ BLOCK_CLASS = "TransformerBlock"
 def read_torchtitan(located: Located, *, world_size: int | None = None) -> Translation[StrategySpec]:
     """The spec a torchtitan TOML means; ``world_size``: the number of ranks torchrun starts."""
     report = Report(source=FORMAT, target="spec")
-    keys = SourceKeys(located, load_table(FORMAT), report, consumer="torchtitan")
+    keys = SourceKeys(located, load_table(FORMAT), report, consumer="torchtitan", bools="accelerate")
     degrees = {name: keys.get(f"{_P}{name}_degree") for name in (
         "data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "pipeline_parallel",
         "context_parallel", "expert_parallel")}
