@@ -109,6 +109,12 @@ def test_not_about_sharding_sections_are_carried_and_re_emitted() -> None:
      "not a multiple of", None),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "needs nvme_path", None),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}}, "expected one of none, cpu, nvme", None),
+    ({"fp16": {"enabled": True, "loss_scale_window": -1}}, "fp16.loss_scale_window: Input should be greater", None),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis", None),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 2}}},
+     "zero_optimization.offload_optimizer.ratio: Input should be less than or equal to 1", None),
+    ({"fp16": None}, "fp16: expected a section", "as an object"),
+    ({"zero_optimization": "three"}, "zero_optimization: expected a section", None),
 ])
 def test_bad_input(config: dict[str, Any], fragment: str, fix: str | None) -> None:
     with pytest.raises(ConfigError) as err:

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from zerobridge import __version__
-from zerobridge.errors import ConfigError
+from pydantic import ValidationError
+
+from zerobridge.errors import ConfigError, from_validation_error
 from zerobridge.translate.report import Report
 
 __all__ = ["main"]
@@ -83,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(_COMMANDS[args.command](args))
     except ConfigError as exc:
         print(f"zerobridge: error: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:  # a spec built from input no reader checked first
+        print(f"zerobridge: error: {from_validation_error(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

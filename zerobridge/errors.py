@@ -74,14 +74,27 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
     return match[0] if match else None
 
 
+def _union_tags() -> frozenset[str]:
+    """Tag values of the spec's discriminated unions (they appear in error locations)."""
+    from zerobridge.spec import (
+        DynamicLossScale, EveryModuleWrap, NoLossScale, RootWrap, SizeWrap, StaticLossScale, TransformerWrap,
+    )
+
+    tags = [m.model_fields["kind"].default for m in (NoLossScale, StaticLossScale, DynamicLossScale)]
+    tags += [m.model_fields["policy"].default for m in (RootWrap, EveryModuleWrap, TransformerWrap, SizeWrap)]
+    return frozenset(tags)
+
+
 def from_validation_error(
     error: ValidationError, *, source: str | Path | None = None, key_prefix: str = ""
 ) -> ConfigError:
     """The first problem of a pydantic error as a ``ConfigError``."""
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "tagged-union"))]
-    # Union branches add their type names to the location; keep real keys only.
-    loc = [part for part in loc if not part.startswith(("int", "str", "literal", "constrained"))]
+    # Union branches add their type names or tag values to the location; keep
+    # real keys only.
+    loc = [part for part in loc if not part.startswith(("int", "str", "literal", "constrained"))
+           and part not in _union_tags()]
     key = ".".join(part for part in [key_prefix, *loc] if part) or None
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden" and loc:

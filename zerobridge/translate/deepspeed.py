@@ -25,10 +25,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from zerobridge.errors import from_validation_error
 from zerobridge.spec import (
-    AUTO, DType, DynamicLossScale, EveryModuleWrap, GradSync, NoLossScale, RootWrap, ShardingSpec,
-    StaticLossScale, StrategySpec, is_auto,
+    AUTO, DType, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, is_auto,
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
@@ -77,7 +75,7 @@ def read_deepspeed(located: Located) -> Translation[StrategySpec]:
     try:
         spec = StrategySpec.model_validate(fields)
     except ValidationError as exc:
-        raise from_validation_error(exc, source=located.source) from None
+        raise keys.spec_error(exc) from None
     return Translation(spec, report)
 
 
@@ -228,13 +226,14 @@ def _loss_scaling(keys: SourceKeys, compute: Any) -> Any:
         for path in paths:
             if keys.given(path):
                 keys.note(path, Status.EXACT, "unused: fp16 is not enabled, so there is no loss scaling")
-        return NoLossScale()
+        return {"kind": "none"}
     for path in paths:
         keys.note(path)
     static = keys.get("fp16.loss_scale")
     if static and static > 0:
-        return StaticLossScale(scale=static)
-    return DynamicLossScale(
+        return {"kind": "static", "scale": static}
+    return dict(
+        kind="dynamic",
         initial_scale=2.0 ** keys.get("fp16.initial_scale_power"),
         growth_interval=keys.get("fp16.loss_scale_window"),
         hysteresis=keys.get("fp16.hysteresis"),

@@ -102,8 +102,30 @@ class SourceKeys:
                 self.report.add(spelled, Status.NOT_ABOUT_SHARDING, self.carried_note)
             elif self.table.children(path) and (isinstance(value, dict) or value is None and self.null_is_empty):
                 self._walk(path, value or {})
+            elif self.table.children(path):
+                raise self.located.error(f"expected a section (keys and values), got {value!r}", key=spelled,
+                                         fix=f"write {spelled!r} as an object, or leave it out")
             else:
                 self._unknown(prefix, spelled, str(raw), value)
+
+    def spec_error(self, exc: ValidationError) -> ConfigError:
+        """A spec validation error, pointed at the source key(s) that set the
+        failing spec field, found through the table."""
+        error = from_validation_error(exc, source=self.located.source)
+        spec_path = error.key or ""
+        feeding = [row for row in self.table.rows if row.path in self.values and row.spec and (
+            row.spec == spec_path or spec_path.startswith(row.spec + ".") or row.spec.startswith(spec_path + "."))]
+        exact = [row for row in feeding if row.spec == spec_path]
+        chosen = exact if len(exact) == 1 else feeding
+        if len(chosen) == 1:
+            key = self.given_as[chosen[0].path]
+            return ConfigError(f"{error.message} (spec field {spec_path})", source=self.located.source,
+                               key=key, line=self.located.line_of(key), fix=error.fix)
+        if chosen:
+            keys = ", ".join(self.given_as[row.path] for row in chosen)
+            return ConfigError(f"{error.message} (set by {keys})", source=self.located.source, key=spec_path,
+                               line=self.located.line_of(self.given_as[chosen[0].path]), fix=error.fix)
+        return error
 
     def _take(self, row: Row, spelled: str, value: Any) -> None:
         if row.path in self.values:
