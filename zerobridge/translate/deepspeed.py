@@ -94,26 +94,21 @@ def _stage(keys: SourceKeys) -> int:
 
 def _sharding(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
     fields: dict[str, Any] = dict(ShardingSpec.for_stage(stage).model_dump())
-    mics = keys.get("zero_optimization.mics_shard_size")
-    if mics is not None and mics > 0:
-        if stage is not Stage.PARAMETERS:
-            keys.note("zero_optimization.mics_shard_size", Status.IGNORED,
-                      f"DeepSpeed builds MiCS only at stage 3; ignored at stage {stage.value}")
-        else:
-            fields["shard_group"] = mics
-            keys.note("zero_optimization.mics_shard_size")
-    elif keys.given("zero_optimization.mics_shard_size"):
-        keys.note("zero_optimization.mics_shard_size", Status.EXACT, "off")
-    hpz = keys.get("zero_optimization.zero_hpz_partition_size")
-    if hpz is not None and hpz > 1:
-        if stage is not Stage.PARAMETERS:
-            keys.note("zero_optimization.zero_hpz_partition_size", Status.IGNORED,
-                      f"hpZ applies to stage 3 only; ignored at stage {stage.value}")
-        else:
-            fields["backward_gather_group"] = hpz
-            keys.note("zero_optimization.zero_hpz_partition_size")
-    elif keys.given("zero_optimization.zero_hpz_partition_size"):
-        keys.note("zero_optimization.zero_hpz_partition_size", Status.EXACT, "off")
+    # Both group sizes are stage-3 features that DeepSpeed ignores below it;
+    # each is off at its own "unset" value (-1 for MiCS, 1 for hpZ).
+    for path, field, feature, off in (("zero_optimization.mics_shard_size", "shard_group", "MiCS", 0),
+                                      ("zero_optimization.zero_hpz_partition_size", "backward_gather_group",
+                                       "hpZ", 1)):
+        size = keys.get(path)
+        if size is not None and size > off:
+            if stage is not Stage.PARAMETERS:
+                keys.note(path, Status.IGNORED, f"DeepSpeed uses {feature} only at stage 3; ignored at stage "
+                                                f"{stage.value}")
+            else:
+                fields[field] = size
+                keys.note(path)
+        elif keys.given(path):
+            keys.note(path, Status.EXACT, "off")
     return fields
 
 
