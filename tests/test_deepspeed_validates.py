@@ -56,7 +56,6 @@ def test_registry_output_validates(entry: Any) -> None:
 @pytest.mark.parametrize("entry", [s for s in strategies() if s.source_format != "deepspeed"],
                          ids=lambda s: s.name)
 def test_fsdp_registry_output_validates(entry: Any) -> None:
-    pytest.importorskip("zerobridge.translate.fsdp")
     _validate(write_deepspeed(entry.spec().value).value)
 
 

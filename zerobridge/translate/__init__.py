@@ -6,8 +6,9 @@
 
 One reader module and one writer module per format (``deepspeed`` /
 ``deepspeed_emit``, ``accelerate`` / ``accelerate_emit``, ``fsdp1``, ``fsdp2``,
-``lightning``, ``torchtitan``), and the shared pieces: ``report``, ``mapping``
-(tables in ``mappings/``), ``keys`` (reading a source's keys through its
-table), ``sources`` (parsing with positions) and ``values`` (coercion).
-``formats`` routes by format name.
+``lightning``, ``torchtitan``), and the shared pieces: ``fsdp`` (what the two
+FSDP translators share) and ``fsdp_emit`` (what their writers share),
+``report``, ``mapping`` (tables in ``mappings/``), ``keys`` (reading a
+source's keys through its table), ``sources`` (parsing with positions) and
+``values`` (coercion). ``formats`` routes by format name.
 """

@@ -25,9 +25,12 @@ from zerobridge.spec import (
     OptimizerOffload, ParamOffload, ParamSharding, PrecisionSpec, ShardingSpec, StrategySpec,
 )
 from zerobridge.translate.fsdp import (
-    PER_UNIT, Loop, StagePlan, accumulate_dtype_for, build_mesh, check_precision, checkpoint_format, layer_classes,
-    mesh_form, read_keys, read_mesh, read_training_loop, read_wrap, report_fixed_behaviour, resolve_precision, section,
-    stage_plan, take, with_world_size, write_offload, write_training_loop, write_wrap,
+    PER_UNIT, Loop, accumulate_dtype_for, build_mesh, check_precision, layer_classes, read_keys, read_mesh,
+    read_training_loop, read_wrap, section, take, with_world_size,
+)
+from zerobridge.translate.fsdp_emit import (
+    StagePlan, checkpoint_format, mesh_form, report_fixed_behaviour, resolve_precision, stage_plan, write_offload,
+    write_training_loop, write_wrap,
 )
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
