@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import enum
 import sys
-import tomllib
 import types
 import typing
 from pathlib import Path
@@ -122,10 +121,7 @@ def render_translators() -> str:
 
 def _named_strategies(fmt: str) -> list[str]:
     """Rows of a table's ``[[strategy]]`` list (Lightning's registry names)."""
-    from zerobridge.resources import data_dir
-
-    with (data_dir("mappings") / f"{fmt}.toml").open("rb") as fh:
-        named = tomllib.load(fh).get("strategy", [])
+    named = load_table(fmt).named
     if not named:
         return []
     out = ["\nStrategy names:\n\n| name | class | arguments | note |\n|---|---|---|---|\n"]

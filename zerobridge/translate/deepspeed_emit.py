@@ -23,13 +23,12 @@ from zerobridge.spec import (
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
+from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 
 __all__ = ["write_deepspeed"]
 
 FORMAT = "deepspeed"
-_DS_DEFAULTS = {"reduce_bucket": 500_000_000, "allgather_bucket": 500_000_000, "prefetch_bucket": 50_000_000,
-                "max_live_parameters": 1_000_000_000, "max_reuse_distance": 1_000_000_000}
 
 
 def write_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]]:
@@ -125,13 +124,14 @@ def _offload(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Rep
 
 
 def _bucket(spec_value: Any, name: str, report: Report, key: str, *, used: bool = True) -> Any:
-    if spec_value == "per_unit":
-        if used:
-            report.add(f"communication.{name}", Status.APPROXIMATED,
+    if spec_value != "per_unit":
+        return spec_value
+    default = load_table(FORMAT).row(f"zero_optimization.{key}").default
+    if used:
+        report.add(f"communication.{name}", Status.APPROXIMATED,
                    f"one collective per wrap unit has no DeepSpeed form; DeepSpeed's default bucket "
-                       f"({_DS_DEFAULTS[name]:.0e} elements) written", target=f"zero_optimization.{key}")
-        return _DS_DEFAULTS[name]
-    return spec_value
+                   f"({default:.0e} elements) written", target=f"zero_optimization.{key}")
+    return default
 
 
 def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Report) -> None:

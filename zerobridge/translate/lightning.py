@@ -21,13 +21,11 @@ gradient_clip_val) may be passed along with the constructor arguments.
 from __future__ import annotations
 
 import math
-import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from zerobridge.errors import ConfigError, closest
-from zerobridge.resources import data_dir
 from zerobridge.spec import DType, StrategySpec, is_auto
 from zerobridge.translate.keys import SourceKeys, spec_diff, update_spec
 from zerobridge.translate.mapping import load_table
@@ -46,8 +44,7 @@ _DS_HINT = "pass config=<the DeepSpeed JSON from `zerobridge convert --to deepsp
 
 @cache
 def _registry() -> dict[str, dict[str, Any]]:
-    with (data_dir("mappings") / f"{FORMAT}.toml").open("rb") as fh:
-        return {entry["name"]: entry for entry in tomllib.load(fh)["strategy"]}
+    return {entry["name"]: entry for entry in load_table(FORMAT).named}
 
 
 def lightning_names() -> list[str]:

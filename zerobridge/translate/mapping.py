@@ -22,7 +22,7 @@ rows, so docs and code cannot drift.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -71,6 +71,9 @@ class MappingTable:
     """Key paths that are not about sharding and are carried verbatim."""
     strict_sections: tuple[str, ...]
     """Sections where the consumer rejects unknown keys."""
+    named: tuple[dict[str, Any], ...] = field(default=(), compare=False)
+    """The table's ``[[strategy]]`` rows: names the format's users type and
+    the arguments each stands for (Lightning's strategy registry)."""
 
     def find(self, path: str) -> Row | None:
         """The row whose path or alias is ``path``."""
@@ -128,6 +131,7 @@ def load_table(fmt: str) -> MappingTable:
         rows=tuple(_row(r, fmt) for r in raw.get("key", ())),
         passthrough=tuple(raw.get("passthrough", ())),
         strict_sections=tuple(raw.get("strict_sections", ())),
+        named=tuple(raw.get("strategy", ())),
     )
 
 
