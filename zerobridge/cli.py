@@ -7,9 +7,11 @@
     zerobridge explain ds_config.json --params 7e9 --world-size 64
     zerobridge diff a.json b.yaml                             # same run or not, and what differs
     zerobridge strategies                                     # the registry, one line each
+    zerobridge run --nproc 4 --stage 3 train.py --lr 3e-4     # torchrun, strategy in $ZEROBRIDGE_CONFIG
 
 Exit codes: 0 success; 1 ``--strict`` saw an approximation, or ``diff`` found
-a difference; 2 bad input (the message names the file, key, line and fix).
+a difference; 2 bad input (the message names the file, key, line and fix);
+``run`` exits with the launcher's code.
 """
 
 from __future__ import annotations
@@ -75,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
 
     sub.add_parser("demo", help="the built-in example: a DeepSpeed config explained and converted")
+
+    from zerobridge.launch import add_run_arguments
+
+    add_run_arguments(sub.add_parser(
+        "run", allow_abbrev=False, help="launch a training script with torchrun and a chosen strategy",
+        description="Run a training script under torch.distributed.run. Options before the script are "
+                    "the launcher's; everything after it is passed to the script untouched."))
     return p
 
 
@@ -187,7 +196,14 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
-_COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo}
+def _run(args: argparse.Namespace) -> int:
+    from zerobridge.launch import launch
+
+    return launch(args)
+
+
+_COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo,
+             "run": _run}
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""zerobridge.testing.cluster: one spawned process group serving many runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from zerobridge.testing.cluster import Cluster, RankError
+
+PROBES = "zerobridge.testing.probes"
+
+
+@pytest.fixture(scope="module")
+def solo() -> Iterator[Cluster]:
+    with Cluster(1, timeout_s=60) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Cluster]:
+    with Cluster(2, timeout_s=60) as cluster:
+        yield cluster
+
+
+def test_results_come_back_in_rank_order(pair: Cluster) -> None:
+    infos = pair.run(f"{PROBES}:rank_info")
+    assert [info["rank"] for info in infos] == [0, 1]  # type: ignore[index]
+    assert [info["world_size"] for info in infos] == [2, 2]  # type: ignore[index]
+    assert [info["backend"] for info in infos] == ["gloo", "gloo"]  # type: ignore[index]
+    assert [info["pid"] for info in infos] == pair.pids  # type: ignore[index]
+
+
+def test_all_reduce_sums_across_ranks(pair: Cluster, solo: Cluster) -> None:
+    assert pair.run(f"{PROBES}:all_reduce_sum", value=1.25) == [2.5, 2.5]
+    assert solo.run(f"{PROBES}:all_reduce_sum", value=1.25) == [1.25]
+
+
+def test_workers_see_launcher_environment(pair: Cluster) -> None:
+    assert pair.run("os:getenv", key="LOCAL_RANK") == ["0", "1"]
+    assert pair.run("os:getenv", key="WORLD_SIZE") == ["2", "2"]
+    assert pair.run("os:getenv", key="LOCAL_WORLD_SIZE") == ["2", "2"]
+    assert pair.run("os:getenv", key="MASTER_ADDR") == ["127.0.0.1", "127.0.0.1"]
+
+
+def test_many_runs_are_served_by_the_same_processes(pair: Cluster) -> None:
+    pids = pair.pids
+    assert len(pids) == 2 and len(set(pids)) == 2
+    for i in range(20):
+        assert pair.run(f"{PROBES}:all_reduce_sum", value=float(i)) == [2.0 * i, 2.0 * i]
+    assert pair.pids == pids
+    assert [info["pid"] for info in pair.run(f"{PROBES}:rank_info")] == pids  # type: ignore[index]
+
+
+def test_remote_exception_becomes_rank_error_with_traceback(pair: Cluster) -> None:
+    with pytest.raises(RankError) as info:
+        pair.run(f"{PROBES}:fail_on", rank=1, message="deliberate failure 4711")
+    err = info.value
+    assert err.ranks == (1,)
+    assert set(err.tracebacks) == {1}
+    text = str(err)
+    assert "rank 1" in text and "rank 0" not in text.split("\n", 1)[1]
+    assert "Traceback (most recent call last):" in text
+    assert "ValueError: deliberate failure 4711" in text
+    assert 'probes.py", line' in text and "in fail_on" in text
+    assert err.tracebacks[1].rstrip("\n") in text  # verbatim
+    # the next run works (on a fresh group)
+    assert pair.run(f"{PROBES}:fail_on", rank=5, message="never") == [0, 1]
+
+
+def test_hard_exit_is_reported_and_the_next_run_gets_new_workers(pair: Cluster) -> None:
+    old = pair.pids
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        pair.run(f"{PROBES}:exit_on", rank=1, code=7)
+    assert time.monotonic() - started < 10
+    assert info.value.ranks == (1,)
+    assert "rank 1 did not answer" in str(info.value)
+    assert "exited with code 7" in str(info.value)
+    assert pair.pids == []  # torn down
+    assert pair.run(f"{PROBES}:all_reduce_sum", value=3.0) == [6.0, 6.0]
+    new = pair.pids
+    assert len(new) == 2 and not set(new) & set(old)
+
+
+def test_system_exit_and_unpicklable_results_are_failures(solo: Cluster) -> None:
+    with pytest.raises(RankError, match="SystemExit"):
+        solo.run("_thread:exit")
+    with pytest.raises(RankError, match="pickle") as info:
+        solo.run("threading:Lock")
+    assert info.value.ranks == (0,)
+    assert solo.run(f"{PROBES}:sleep_s", seconds=0.0) == [0]
+
+
+def test_bad_target_is_rejected_without_breaking_the_cluster(solo: Cluster) -> None:
+    pids = solo.pids
+    with pytest.raises(ValueError, match="package.module:function"):
+        solo.run("zerobridge.testing.probes.rank_info")
+    assert solo.pids == pids
+    with pytest.raises(RankError, match="ModuleNotFoundError"):
+        solo.run("zerobridge.no_such_module:f")
+
+
+def test_timeout_raises_rank_error() -> None:
+    cluster = Cluster(1, timeout_s=3.0, env={"ZEROBRIDGE_PROBE_MARK": "on"})
+    try:
+        assert cluster.run("os:getenv", key="ZEROBRIDGE_PROBE_MARK") == ["on"]
+        started = time.monotonic()
+        with pytest.raises(RankError) as info:
+            cluster.run(f"{PROBES}:sleep_s", seconds=30.0)
+        elapsed = time.monotonic() - started
+        assert 2.9 < elapsed < 8.0
+        assert info.value.ranks == (0,)
+        assert "rank 0 did not answer" in str(info.value)
+        assert "still running after 3 s" in str(info.value)
+        assert cluster.pids == []  # killed, not left sleeping
+    finally:
+        cluster.close()
+
+
+def test_close_is_idempotent() -> None:
+    cluster = Cluster(1)
+    cluster.close()  # never started
+    cluster.start()
+    cluster.start()  # idempotent too
+    pids = cluster.pids
+    assert len(pids) == 1
+    cluster.close()
+    assert cluster.pids == []
+    cluster.close()
+    assert cluster.pids == []
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        Cluster(0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        Cluster(1, timeout_s=0)

@@ -1,0 +1,209 @@
+"""The public API: prepare a model, clip, read full state, measure.
+
+    >>> import torch, zerobridge
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> model = zerobridge.prepare(model, stage=3)         # world size 1 under plain python
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    >>> model(torch.randn(4, 8)).pow(2).mean().backward()
+    >>> norm = zerobridge.clip_grad_norm_(model, 1.0)
+    >>> optimizer.step(); optimizer.zero_grad()
+    >>> sorted(zerobridge.full_state_dict(model))
+    ['0.bias', '0.weight', '2.bias', '2.weight']
+
+Launch on several ranks with ``zerobridge run --nproc 4 --stage 3 train.py``
+or plain ``torchrun``. With no strategy argument, ``ZEROBRIDGE_CONFIG`` in the
+environment chooses one; with neither, stage 0 (plain data parallel).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerobridge.engine import Engine, plan_engine
+from zerobridge.engine.mesh import build_mesh
+from zerobridge.errors import ConfigError
+from zerobridge.spec import BatchSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
+
+__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "prepare", "reset_stats", "spec_for_stage", "stats"]
+
+CONFIG_ENV = "ZEROBRIDGE_CONFIG"
+TIMEOUT_ENV = "ZEROBRIDGE_TIMEOUT"
+
+
+class ZeroModule(nn.Module):
+    """Mixed into a prepared model's class: the model keeps its own class and names."""
+
+    _zerobridge_engine: Engine
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication: accumulate locally until a backward outside."""
+        with self._zerobridge_engine.no_sync():
+            yield
+
+    @property
+    def zerobridge_engine(self) -> Engine:
+        """The engine that runs this model."""
+        return self._zerobridge_engine
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def spec_for_stage(stage: int, model: nn.Module | None = None) -> StrategySpec:
+    """DeepSpeed's ZeRO ``stage`` with the spec's defaults.
+
+    Stages 0 and 1 reduce at the accumulation boundary only (as DeepSpeed
+    does). Stage 3 is cut into one unit per transformer layer when the model
+    names its layers (``_no_split_modules``), else one per module with
+    parameters (DeepSpeed's fetching scheme).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"stage={stage!r} is not a ZeRO stage", key="stage", fix="choose 0, 1, 2 or 3")
+    sync = GradSync.ACCUMULATION_BOUNDARY if stage <= 1 else GradSync.EVERY_MICRO_STEP
+    wrap: Any = RootWrap()
+    if stage == 3:
+        wrap = TransformerWrap() if getattr(model, "_no_split_modules", None) else EveryModuleWrap()
+    return StrategySpec(name=f"stage{stage}", sharding=ShardingSpec.for_stage(stage),
+                        batch=BatchSpec(grad_sync=sync), wrapping=wrap)
+
+
+def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
+                 config: str | Path | dict[str, Any] | StrategySpec | None) -> StrategySpec:
+    """The spec the arguments (or ``ZEROBRIDGE_CONFIG``) name."""
+    from zerobridge.loading import load
+
+    given = [name for name, value in (("stage", stage), ("strategy", strategy), ("config", config)) if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"prepare() got {' and '.join(given)}: name the strategy once",
+                          key=given[1], fix=f"pass only {given[0]}=")
+    if stage is not None:
+        return spec_for_stage(stage, model)
+    if strategy is not None:
+        return load(strategy).value
+    if config is not None:
+        return load(config).value
+    value = os.environ.get(CONFIG_ENV)
+    if not value:
+        return spec_for_stage(0, model)
+    from zerobridge.launch import decode_choice
+
+    kind, choice = decode_choice(value)
+    if kind == "stage":
+        return spec_for_stage(int(choice), model)
+    return load(str(choice)).value
+
+
+def _init_distributed(model: nn.Module) -> None:
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
+    device = next(model.parameters()).device
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _check_model(model: nn.Module) -> None:
+    if isinstance(model, ZeroModule):
+        raise ConfigError(f"{type(model).__name__} is already prepared", key="model",
+                          fix="call zerobridge.prepare once per model")
+    params = list(model.parameters())
+    if not params:
+        raise ConfigError(f"{type(model).__name__} has no parameters to shard", key="model",
+                          fix="pass the module that owns the parameters")
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ConfigError(f"parameters on the meta device: {', '.join(meta[:5])}", key="model",
+                          fix="materialise them first: model.to_empty(device=...) then reset_parameters()")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ConfigError(f"parameters on several devices: {sorted(map(str, devices))}", key="model",
+                          fix="move the model to one device before prepare (model.to(device))")
+
+
+@overload
+def prepare(model: nn.Module, optimizer: None = None, *, stage: int | None = None, strategy: str | None = None,
+            config: str | Path | dict[str, Any] | StrategySpec | None = None) -> nn.Module: ...
+@overload
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
+            strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None
+            ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | None = None,
+            strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None
+            ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard ``model`` (in place) as the strategy says; return it, or ``(model, optimizer)``.
+
+    ``optimizer``: one built before on the original parameters; its param
+    groups and hyperparameters are kept, its parameters replaced by the
+    sharded ones. It must not have stepped yet.
+    """
+    _check_model(model)
+    spec = resolve_spec(model, stage=stage, strategy=strategy, config=config)
+    if optimizer is not None and any(optimizer.state.values()):
+        raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
+                          fix="call zerobridge.prepare before the first optimizer.step()")
+    _init_distributed(model)
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    plan = plan_engine(spec, model, world_size=world, local_world_size=local)
+    mesh = build_mesh(shard_size=plan.shard_size, secondary_size=plan.secondary_size)
+    engine = Engine(model, plan, mesh)
+    cls = type(model)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
+    model.__class__ = _CLASSES[cls]
+    object.__setattr__(model, "_zerobridge_engine", engine)
+    if optimizer is None:
+        return model
+    replacement = {id(ref.param): new for g in engine.groups for ref, new in zip(g.refs, g.params)}
+    for group in optimizer.param_groups:
+        group["params"] = [replacement.get(id(p), p) for p in group["params"]]
+    engine.optimizers.add(optimizer)
+    return model, optimizer
+
+
+def engine_of(model: nn.Module) -> Engine:
+    """The engine of a prepared model; a clear error otherwise."""
+    engine = getattr(model, "_zerobridge_engine", None)
+    if engine is None:
+        raise ConfigError(f"{type(model).__name__} was not prepared", key="model",
+                          fix="call model = zerobridge.prepare(model, ...) first")
+    return engine
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm over every rank and shard; return the norm."""
+    return engine_of(model).clip_grad_norm(float(max_norm), float(norm_type))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict under the original names (tied ones under each), on every rank."""
+    return engine_of(model).full_state_dict()
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """This rank's resident model-state bytes, bytes per tier, and communication since the last reset."""
+    engine = engine_of(model)
+    memory = engine.memory()
+    total = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
+    return {**memory, "tier_bytes": {"device": total, "host": 0, "nvme": 0},
+            "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls)}
+
+
+def reset_stats(model: nn.Module) -> None:
+    """Start counting communication from zero."""
+    engine_of(model).stats.reset()

@@ -1,0 +1,133 @@
+"""The collectives the engine issues: free functions over explicit groups.
+
+    >>> import torch
+    >>> from zerobridge.engine.collectives import CommStats, bus_bytes
+    >>> bus_bytes("all_reduce", torch.empty(1000), group_size=4)
+    6000
+    >>> stats = CommStats(); stats.record("all_gather", 3000, group_size=4); dict(stats.bytes)
+    {'all_gather': 2250}
+
+Every function takes the process group it runs on and the ``CommStats`` it is
+counted in; nothing here reads global state. A group of one rank is a no-op
+that moves no bytes. Tests count calls by patching these functions, so the
+engine calls them through this module (``collectives.all_gather(...)``),
+never by importing the names.
+
+Bytes follow the bus-volume convention (per rank): an all-reduce of ``n``
+bytes over ``G`` ranks moves ``2n(G-1)/G``; a reduce-scatter of an ``n``-byte
+input, or an all-gather of an ``n``-byte output, moves ``n(G-1)/G``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveKind", "CommStats", "Pending", "all_gather", "all_reduce", "broadcast", "bus_bytes",
+    "reduce_scatter",
+]
+
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+_BUS_FACTOR: dict[str, float] = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
+
+
+class Pending(Protocol):
+    """An issued collective: ``wait()`` blocks until its buffers are ready."""
+
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """A collective that needed no communication (a group of one rank)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE: Pending = _Done()
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per collective kind since the last ``reset``."""
+
+    bytes: Counter[str] = field(default_factory=Counter)
+    calls: Counter[str] = field(default_factory=Counter)
+
+    def record(self, kind: CollectiveKind, payload_bytes: int, *, group_size: int) -> None:
+        """Count one collective whose payload (full buffer) is ``payload_bytes``."""
+        factor = _BUS_FACTOR[kind] * (group_size - 1) / group_size
+        self.bytes[kind] += round(payload_bytes * factor)
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        self.bytes.clear()
+        self.calls.clear()
+
+
+def bus_bytes(kind: CollectiveKind, payload: torch.Tensor, *, group_size: int) -> int:
+    """Per-rank bus bytes of one collective over ``payload`` (the full buffer)."""
+    nbytes = payload.numel() * payload.element_size()
+    return round(nbytes * _BUS_FACTOR[kind] * (group_size - 1) / group_size)
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None,
+               stats: CommStats, *, async_op: bool = False) -> Pending:
+    """Gather equal ``shard``s of every rank into ``output`` (rank-major).
+
+    ``shard`` may be this rank's slice of ``output`` (an in-place gather).
+    """
+    size = _size(group)
+    if size == 1:
+        if shard.data_ptr() != output.data_ptr():
+            output.copy_(shard)
+        return DONE
+    stats.record("all_gather", output.numel() * output.element_size(), group_size=size)
+    work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
+    return work if async_op else DONE
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
+                   stats: CommStats, *, async_op: bool = False) -> Pending:
+    """Sum ``full`` over the group; this rank receives its rank-major slice.
+
+    ``output`` may alias this rank's slice of ``full`` (an in-place reduce).
+    """
+    size = _size(group)
+    if size == 1:
+        if full.data_ptr() != output.data_ptr():
+            output.copy_(full)
+        return DONE
+    stats.record("reduce_scatter", full.numel() * full.element_size(), group_size=size)
+    work = dist.reduce_scatter_single(output, full, group=group, async_op=async_op)
+    return work if async_op else DONE
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats, *,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False) -> Pending:
+    """Reduce ``tensor`` in place over the group (sum unless ``op`` says)."""
+    size = _size(group)
+    if size == 1:
+        return DONE
+    stats.record("all_reduce", tensor.numel() * tensor.element_size(), group_size=size)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else DONE
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats: CommStats) -> None:
+    """Overwrite ``tensor`` on every rank with global rank ``src``'s copy."""
+    size = _size(group)
+    if size == 1:
+        return
+    stats.record("broadcast", tensor.numel() * tensor.element_size(), group_size=size)
+    dist.broadcast(tensor, src=src, group=group)

@@ -1,0 +1,563 @@
+"""The engine: hooks that run any partitioning plan on an unchanged model.
+
+    >>> import torch, zerobridge
+    >>> model = zerobridge.prepare(torch.nn.Linear(4, 2), stage=2)   # world size 1 without a launcher
+    >>> model(torch.ones(3, 4)).sum().backward()
+    >>> [p.grad.shape for p in model.parameters()]
+    [torch.Size([8]), torch.Size([2])]
+
+Calls go one way: the hooks here drive units, units drive flat groups
+(``flat_group.py``), flat groups issue collectives (``collectives.py``).
+
+[Note: life of a step]
+forward  root pre-hook: cast inputs, show the replicated group's views.
+         unit pre-hook: all-gather the unit (sharded groups), prefetch the
+         next one, show full-shape views; post-hook: hide them, free the
+         gathered buffer if resharding after forward, hook the outputs.
+backward first output hook: open the micro-step (decide whether to reduce),
+         queue the end-of-backward callback. Unit output hook: gather again
+         (resharded units), prefetch the next unit in backward order. Bucket
+         leaf hook: reduce the bucket (in a fixed order on every rank) or
+         accumulate it locally; free a unit once all its buckets fired.
+end      launch what never fired (unused parameters), land every reduction,
+         free everything, and at an accumulation boundary agree on which
+         parameters were used and hand the optimizer its gradients.
+step     global optimizer hooks: unscale and check overflow, clip when the
+         spec says, hide gradients when the step must be skipped; after the
+         step push master values into the compute parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from zerobridge.engine import collectives
+from zerobridge.engine.collectives import CommStats
+from zerobridge.engine.flat_group import FlatGroup, GroupPlan, ParamRef, Reduction
+from zerobridge.engine.layout import plan_layout
+from zerobridge.engine.loss_scale import LossScaler, ScaleGrad
+from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.plan import EnginePlan
+from zerobridge.engine.units import collect_params, owners, unit_modules
+from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
+
+__all__ = ["Engine", "Unit"]
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@dataclass(eq=False)
+class Unit:
+    """A wrap unit: its sharded groups are gathered and freed together."""
+
+    index: int
+    module: nn.Module
+    groups: list[FlatGroup] = field(default_factory=list)
+    backward_ready: bool = False
+    """Its backward gather was issued in the current backward pass."""
+    fired: int = 0
+    """Trainable buckets whose gradients arrived in this backward pass."""
+
+    @property
+    def numel(self) -> int:
+        return sum(g.layout.numel for g in self.groups)
+
+    @property
+    def trainable_buckets(self) -> int:
+        return sum(len(g.layout.buckets) for g in self.groups if g.plan.trainable)
+
+
+class Engine:
+    """Runs one ``EnginePlan`` on one model. Built by ``zerobridge.prepare``."""
+
+    # ------------------------------------------------------------------ initialization
+
+    def __init__(self, model: nn.Module, plan: EnginePlan, mesh: Mesh) -> None:
+        self.model = model
+        self.plan = plan
+        self.mesh = mesh
+        self.stats = CommStats()
+        self.scaler = LossScaler(plan.loss_scaling)
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._broadcast_from_rank0()
+        if plan.buffer_dtype is not None:
+            for module in model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None and buf.is_floating_point():
+                        module._buffers[name] = buf.to(plan.buffer_dtype)
+        refs = collect_params(model)
+        modules = unit_modules(model, plan.wrap)
+        owner = owners(model, modules, refs)
+        self.units = [Unit(i, m) for i, m in enumerate(modules)]
+        self.replicated: list[FlatGroup] = []
+        self._build_groups(refs, owner)
+        self.groups = [g for u in self.units for g in u.groups] + self.replicated
+        self.trainable = [g for g in self.groups if g.plan.trainable]
+        self.param_ids = {id(p) for g in self.groups for p in g.params}
+        # The reduction order every rank follows: buckets whose earliest-registered
+        # parameter comes last are expected to finish first in backward.
+        order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
+                 for b in g.layout.buckets]
+        self.order = [(g, b) for g, b, _ in sorted(order, key=lambda item: -item[2])]
+        for group in self.groups:
+            group.restore()
+            for b, leaf in enumerate(group.leaves):
+                if group.plan.trainable:
+                    leaf.register_post_accumulate_grad_hook(self._bucket_hook(group, b))
+        self._install_hooks()
+        # Runtime state.
+        self.in_backward = False
+        self.no_sync_depth = 0
+        self.micro_in_window = 0
+        self.window_open = False
+        self.reduce_now = False
+        self.boundary = False
+        self.ready: set[tuple[int, int]] = set()
+        self.cursor = 0
+        self.pending: list[Reduction] = []
+        self.forward_order: list[Unit] = []
+        self.previous_order: list[Unit] = []
+        self.awaiting_step: set[int] = set()
+        self.finalized = False
+        self.skip_step = False
+        self.clipped = False
+        self.stats.reset()
+        _ENGINES.add(self)
+        _install_step_hooks()
+
+    def _broadcast_from_rank0(self) -> None:
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                collectives.broadcast(tensor.data, 0, self.mesh.control, self.stats)
+
+    def _group_plan(self, *, sharding: ParamSharding, trainable: bool) -> GroupPlan:
+        p = self.plan
+        return GroupPlan(sharding=sharding, shard_grads=p.grads_sharded, trainable=trainable,
+                         compute_dtype=p.compute_dtype, master_dtype=p.master_dtype, reduce_dtype=p.reduce_dtype,
+                         accumulate_dtype=p.accumulate_dtype,
+                         keep_secondary=p.secondary_size < p.shard_size)
+
+    def _build_groups(self, refs: list[ParamRef], owner: list[int]) -> None:
+        p, mesh = self.plan, self.mesh
+        persistent = self._persistent(refs) if p.sharding.sharded_at_rest else set(range(len(refs)))
+        for trainable in (True, False):
+            chosen = [r for i, r in enumerate(refs) if i in persistent and r.param.requires_grad == trainable]
+            if chosen:
+                chosen.sort(key=lambda r: -r.order)
+                shards = mesh.shard_size if trainable and p.optimizer_sharded else 1
+                layout = plan_layout([r.param.numel() for r in chosen], shards=shards,
+                                     shard_rank=mesh.shard_rank if shards > 1 else 0,
+                                     bucket_cap=p.reduce_bucket if trainable else None)
+                plan = self._group_plan(sharding=ParamSharding.REPLICATED, trainable=trainable)
+                self.replicated.append(FlatGroup(chosen, layout, plan, mesh, self.stats))
+            for unit in self.units:
+                mine = [r for i, r in enumerate(refs) if i not in persistent and owner[i] == unit.index
+                        and r.param.requires_grad == trainable]
+                if not mine:
+                    continue
+                layout = plan_layout([r.param.numel() for r in mine], shards=mesh.shard_size,
+                                     shard_rank=mesh.shard_rank, bucket_cap=None)
+                plan = self._group_plan(sharding=p.sharding, trainable=trainable)
+                unit.groups.append(FlatGroup(mine, layout, plan, mesh, self.stats))
+
+    def _persistent(self, refs: list[ParamRef]) -> set[int]:
+        p = self.plan
+        budget = p.model_persistence_threshold
+        chosen: set[int] = set()
+        used = 0
+        for i, ref in enumerate(refs):
+            numel = ref.param.numel()
+            if numel < p.persistence_threshold and (budget is None or used + numel <= budget):
+                chosen.add(i)
+                used += numel
+        return chosen
+
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True, prepend=True)
+            unit.module.register_forward_hook(self._post_forward_hook(unit), with_kwargs=True)
+        if self.plan.activation_checkpointing:
+            targets = [u.module for u in self.units[1:]] or [self.model]
+            for module in targets:
+                module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ forward
+
+    def _pre_forward_hook(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return self._pre_forward(unit, args, kwargs)
+        return hook
+
+    def _post_forward_hook(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            return self._post_forward(unit, output)
+        return hook
+
+    def _pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        grad = torch.is_grad_enabled()
+        if unit.index == 0 and not self.in_backward:
+            self.previous_order, self.forward_order = self.forward_order or self.previous_order, []
+            if self.plan.compute_dtype != torch.float32:
+                args, kwargs = _cast_floats((args, kwargs), self.plan.compute_dtype)
+            for group in self.replicated:
+                group.install(mark_used=grad)
+        if not self.in_backward and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        for group in unit.groups:
+            group.unshard(backward=False)
+        if self.plan.forward_prefetch and not self.in_backward:
+            self._prefetch(unit, self.previous_order, backward=False)
+        for group in unit.groups:
+            group.wait_unshard()
+            group.install(mark_used=grad and not self.in_backward)
+        return args, kwargs
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        if self.in_backward:  # recomputation under activation checkpointing
+            return output
+        grad = torch.is_grad_enabled()
+        for group in unit.groups:
+            group.restore()
+            if not grad or (self.plan.sharding is ParamSharding.RESHARD_AFTER_FORWARD and not self._reused(unit)):
+                group.reshard(keep_secondary=grad)
+        if unit.index == 0:
+            for group in self.replicated:
+                group.restore()
+            if grad and self.scaler.enabled:
+                output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.scaler.scale)
+                                         if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
+        if grad:
+            hook = self._pre_backward_hook(unit)
+            for tensor in pytree.tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(hook)
+        return output
+
+    def _reused(self, unit: Unit) -> bool:
+        """Keep a unit gathered after forward when its backward use comes within
+        ``max_reuse_distance`` gathered elements (the last units of forward)."""
+        limit = self.plan.max_reuse_distance
+        if not limit or unit not in self.previous_order:
+            return False
+        later = self.previous_order[self.previous_order.index(unit) + 1:]
+        return 2 * sum(u.numel for u in later) <= limit
+
+    def _prefetch(self, unit: Unit, order: list[Unit], *, backward: bool) -> None:
+        if unit not in order:
+            return
+        budget = self.plan.prefetch_bucket
+        live_cap = self.plan.max_live_parameters
+        inflight = self.plan.max_inflight_gathers
+        live = sum(g.gathered_numel for g in self.groups)
+        issued = 0
+        for nxt in order[order.index(unit) + 1:]:
+            numel = nxt.numel
+            if issued and budget is not None and issued + numel > budget:
+                break
+            if live_cap is not None and live + numel > live_cap:
+                break
+            if inflight is not None and issued >= inflight:
+                break
+            for group in nxt.groups:
+                group.unshard(backward=backward)
+            issued += numel
+            live += numel
+            if budget is None:
+                break
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward_hook(self, unit: Unit) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self._pre_backward(unit)
+        return hook
+
+    def _begin_backward(self) -> None:
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
+        syncing = self.no_sync_depth == 0
+        self.boundary = syncing and self.micro_in_window + 1 >= self.plan.accumulation_steps
+        self.reduce_now = self.boundary or (syncing and self.plan.grad_sync is GradSync.EVERY_MICRO_STEP)
+        if not self.window_open:
+            single_reduce = self.plan.grad_sync is GradSync.ACCUMULATION_BOUNDARY or self.plan.accumulation_steps == 1
+            for group in self.trainable:
+                group.begin_window(single_reduce=single_reduce)
+            self.window_open = True
+            self.finalized = False
+        self.ready.clear()
+        self.cursor = 0
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if not self.in_backward:
+            self._begin_backward()
+        if unit.backward_ready:
+            return
+        unit.backward_ready = True
+        with torch.enable_grad():  # views for recomputation must match the original forward
+            if unit.index == 0:
+                for group in self.replicated:
+                    group.install(mark_used=False)
+            for group in unit.groups:
+                group.unshard(backward=True)
+            if self.plan.backward_prefetch is BackwardPrefetch.BEFORE_GRAD:
+                self._prefetch(unit, self.forward_order[::-1], backward=True)
+            for group in unit.groups:
+                group.wait_unshard()
+                group.install(mark_used=False)
+
+    def _bucket_hook(self, group: FlatGroup, b: int) -> Any:
+        def hook(leaf: torch.Tensor) -> None:
+            self._on_bucket_grad(group, b)
+        return hook
+
+    def _on_bucket_grad(self, group: FlatGroup, b: int) -> None:
+        if not self.in_backward:
+            self._begin_backward()
+        if self.reduce_now:
+            self.ready.add((id(group), b))
+            self._launch_ready()
+        else:
+            group.accumulate_local(b)
+        unit = next((u for u in self.units if group in u.groups), None)
+        if unit is None:
+            return
+        unit.fired += 1
+        if unit.fired == unit.trainable_buckets and self.plan.sharding.sharded_at_rest:
+            for g in unit.groups:
+                if g.plan.trainable:
+                    g.restore()
+                    g.reshard(keep_secondary=False)
+            if self.plan.backward_prefetch is BackwardPrefetch.AFTER_GRAD:
+                self._prefetch(unit, self.forward_order[::-1], backward=True)
+
+    def _launch_ready(self, *, flush: bool = False) -> None:
+        while self.cursor < len(self.order):
+            group, b = self.order[self.cursor]
+            if not flush and (id(group), b) not in self.ready:
+                return
+            self.pending.append(group.reduce(b, self.plan.gradient_divisor))
+            self.cursor += 1
+
+    def _end_of_backward(self) -> None:
+        if self.reduce_now:
+            self._launch_ready(flush=True)
+        for reduction in self.pending:
+            reduction.work.wait()
+            reduction.finish()
+        self.pending.clear()
+        for unit in self.units:
+            for group in unit.groups:
+                group.restore()
+                group.reshard(keep_secondary=False)
+            unit.backward_ready = False
+            unit.fired = 0
+        for group in self.replicated:
+            group.restore()
+            for b in range(len(group.leaves)):
+                group.take_grad(b)
+        self.micro_in_window += 1
+        if self.boundary:
+            self._close_window()
+        self.in_backward = False
+
+    def _close_window(self) -> None:
+        used = torch.cat([g.used for g in self.trainable]) if self.trainable else torch.zeros(0)
+        flags = used.to(self.groups[0].full.device)
+        collectives.all_reduce(flags, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
+        start = 0
+        for group in self.trainable:
+            count = len(group.refs)
+            group.attach_grads(flags[start:start + count].cpu())
+            group.end_window()
+            start += count
+        self.awaiting_step = {id(g) for g in self.trainable}
+        self.window_open = False
+        self.micro_in_window = 0
+        self.finalized = False
+        self.clipped = False
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside reduces them all."""
+        self.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.no_sync_depth -= 1
+
+    # ------------------------------------------------------------------ step
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.trainable for p in g.params if p.grad is not None]
+
+    def finalize(self) -> bool:
+        """Before clipping or stepping: unscale, check overflow, clip if the spec says.
+        Returns whether there are gradients to step on."""
+        if not self.awaiting_step:
+            return False
+        if self.finalized:
+            return True
+        self.finalized = True
+        grads = self._grads()
+        if self.scaler.enabled:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        self.skip_step = False
+        if self.scaler.enabled or self.plan.skip_nonfinite_steps:
+            local = torch.zeros(1, device=self.groups[0].full.device)
+            for grad in grads:
+                if not torch.isfinite(grad).all():
+                    local.fill_(1.0)
+                    break
+            collectives.all_reduce(local, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
+            self.skip_step = bool(local.item())
+            self.scaler.update(found_inf=self.skip_step)
+        if self.plan.clip_grad_norm is not None and not self.skip_step:
+            self.clip_grad_norm(self.plan.clip_grad_norm)
+        return True
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient by the global norm over all ranks; return that norm."""
+        if not self.finalize():
+            raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
+                               "boundary (outside no_sync), before optimizer.step()")
+        grads = self._grads()
+        device = self.groups[0].full.device
+        inf = norm_type == float("inf")
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+            local = norms.max() if inf else norms.pow(norm_type).sum()
+        else:
+            local = torch.zeros((), device=device)
+        local = local.reshape(1).to(torch.float32)
+        op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
+        collectives.all_reduce(local, self.mesh.reduce, self.stats, op=op)
+        total = local[0] if inf else local[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        self.clipped = True
+        return total
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
+        """Called by the optimizer pre-step hook; returns the gradients it hid."""
+        self.optimizers.add(optimizer)
+        ready = self.finalize()
+        if ready and not self.skip_step:
+            return []
+        hidden = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in self.param_ids:
+                    hidden.append((param, param.grad))
+                    param.grad = None
+        return hidden
+
+    def after_step(self, optimizer: torch.optim.Optimizer, hidden: list[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
+        """Called by the optimizer post-step hook: refresh compute parameters."""
+        if hidden or not self.awaiting_step:
+            if self.skip_step:
+                self.awaiting_step.clear()
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        works = []
+        for group in self.trainable:
+            if id(group) in self.awaiting_step and any(id(p) in stepped for p in group.params):
+                works.extend(group.after_step())
+                self.awaiting_step.discard(id(group))
+        for work in works:
+            work.wait()
+
+    # ------------------------------------------------------------------ state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded master values under every original name, with buffers, on every rank."""
+        state = self.model.state_dict()
+        for group in self.groups:
+            full = self._gather_master(group)
+            for ref, offset in zip(group.refs, group.layout.offsets):
+                value = full[offset:offset + ref.param.numel()].view(ref.param.shape).clone()
+                for name in ref.names:
+                    state[name] = value
+        return state
+
+    def _gather_master(self, group: FlatGroup) -> torch.Tensor:
+        layout = group.layout
+        shard = group.master if group.master is not None else group.shard
+        if shard is None and layout.shards == 1:
+            return group.full
+        if shard is None:  # replicated, master is full itself
+            return group.full
+        if layout.shards == 1:
+            out = shard
+        else:
+            gathered = torch.empty(layout.numel, dtype=shard.dtype, device=shard.device)
+            collectives.all_gather(gathered, shard, self.mesh.gather, self.stats)
+            out = torch.empty_like(gathered)
+            for b in layout.buckets:
+                for r in range(layout.shards):
+                    src = r * layout.shard_numel + b.shard_offset
+                    out[b.offset + r * b.piece:b.offset + (r + 1) * b.piece] = gathered[src:src + b.piece]
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """Resident model-state bytes on this rank by role."""
+        params = grads = master = 0
+        for group in self.groups:
+            sizes = group.resident_bytes()
+            params, grads, master = params + sizes["params"], grads + sizes["grads"], master + sizes["master"]
+        seen: set[int] = set()
+        states = 0
+        for optimizer in self.optimizers:
+            for param, state in optimizer.state.items():
+                if id(param) not in self.param_ids:
+                    continue
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                        seen.add(value.untyped_storage().data_ptr())
+                        states += value.untyped_storage().nbytes()
+        return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": master + states}
+
+
+def _checkpointed(forward: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+_HOOKS_INSTALLED = False
+
+
+def _install_step_hooks() -> None:
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    hidden: dict[int, list[tuple[Engine, list[tuple[nn.Parameter, torch.Tensor | None]]]]] = {}
+
+    def owners_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [e for e in list(_ENGINES) if not ids.isdisjoint(e.param_ids)]
+
+    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        hidden[id(optimizer)] = [(e, e.before_step(optimizer)) for e in owners_of(optimizer)]
+
+    def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for engine, stash in hidden.pop(id(optimizer), []):
+            engine.after_step(optimizer, stash)
+
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+    _HOOKS_INSTALLED = True

@@ -1,0 +1,390 @@
+"""One flat group: parameters stored, gathered, reduced and stepped together.
+
+[Note: tensor roles]
+- *original parameter*: the ``nn.Parameter`` the user's module held. Its values
+  seed the group, then it is dropped.
+- *sharded parameter*: an ``nn.Parameter`` per original parameter, under the
+  original name, viewing this rank's run of the *master* elements. It is what
+  ``model.parameters()`` yields at rest and what the optimizer steps. With
+  one shard (stage 0) it has the original shape; otherwise it is 1-D.
+- *master*: the elements the optimizer steps. When the master dtype equals
+  the compute dtype it is no copy: the sharded parameters view ``full``
+  (replicated) or ``shard`` (sharded) directly. Otherwise a separate
+  ``master`` tensor of this rank's shard.
+- *full* (1-D, padded): the whole group in the compute dtype. Replicated
+  groups keep it; sharded groups allocate its storage only while gathered.
+- *shard* (1-D): this rank's pieces of ``full``; resident for sharded groups.
+- *leaf*: per bucket, an autograd leaf aliasing the bucket's part of ``full``
+  with its own version counter (so refilling ``full`` in backward does not
+  trip autograd). Forward views of the parameters are cut from it, so its
+  ``.grad`` is the bucket's flat gradient, unused parameters and padding
+  filled with zeros.
+- *grad store*: where reduced gradients accumulate in the accumulate dtype:
+  the shard (gradients sharded) or a full buffer whose own pieces hold the
+  reduced values (gradients replicated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+from zerobridge.engine import collectives
+from zerobridge.engine.collectives import CommStats, Pending
+from zerobridge.engine.layout import BucketLayout, GroupLayout
+from zerobridge.engine.mesh import Mesh
+from zerobridge.spec import ParamSharding
+
+__all__ = ["FlatGroup", "GroupPlan", "ParamRef", "Reduction"]
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """An original parameter and every place it is registered."""
+
+    param: nn.Parameter
+    names: tuple[str, ...]
+    """Fully qualified names; more than one for tied parameters."""
+    slots: tuple[tuple[nn.Module, str], ...]
+    """(module, attribute) pairs holding it."""
+    order: int
+    """Position in registration order (first occurrence)."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What one flat group does: a row derived from the spec."""
+
+    sharding: ParamSharding
+    shard_grads: bool
+    trainable: bool
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    accumulate_dtype: torch.dtype
+    keep_secondary: bool
+    """hpZ: after forward keep a shard over the secondary group for backward."""
+
+
+class GatherState(Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+@dataclass
+class Reduction:
+    """A bucket's gradient reduction in flight; ``finish`` lands it in the store."""
+
+    work: Pending
+    finish: Callable[[], None]
+
+
+class FlatGroup:
+    """Parameters of one wrap unit (or of the replicated part of the model)."""
+
+    def __init__(self, refs: list[ParamRef], layout: GroupLayout, plan: GroupPlan, mesh: Mesh,
+                 stats: CommStats) -> None:
+        self.refs = refs
+        self.layout = layout
+        self.plan = plan
+        self.mesh = mesh
+        self.stats = stats
+        device = refs[0].param.device
+        n, sharded = layout.shards, plan.sharding.sharded_at_rest
+        # Initialization: fill full (or shard) and master from the originals.
+        full = torch.zeros(layout.numel, dtype=plan.compute_dtype, device=device)
+        for ref, offset in zip(refs, layout.offsets):
+            flat = ref.param.detach().reshape(-1)
+            full[offset:offset + flat.numel()].copy_(flat)
+        self.shard: torch.Tensor | None = None
+        if sharded:
+            self.shard = torch.empty(layout.shard_numel, dtype=plan.compute_dtype, device=device)
+            self._copy_pieces(full, self.shard)
+        self.full = self.shard if sharded and n == 1 else full
+        self.leaves = [self._leaf(bucket) for bucket in layout.buckets]
+        self.master: torch.Tensor | None = None
+        if plan.master_dtype != plan.compute_dtype:
+            self.master = torch.zeros(layout.shard_numel, dtype=plan.master_dtype, device=device)
+            staged = torch.zeros(layout.numel, dtype=plan.master_dtype, device=device)
+            for ref, offset in zip(refs, layout.offsets):
+                staged[offset:offset + ref.param.numel()].copy_(ref.param.detach().reshape(-1))
+            self._copy_pieces(staged, self.master)
+        self.params = [self._sharded_param(i) for i in range(len(refs))]
+        self.state = GatherState.UNSHARDED
+        self._gather: Pending | None = None
+        self.secondary: torch.Tensor | None = None
+        if sharded and n > 1:
+            self._free_full()
+        # Gradient state.
+        self.grad_store: torch.Tensor | None = None
+        self.local_acc: torch.Tensor | None = None
+        self.store_is_accumulator = False
+        self.accumulated = [False] * len(layout.buckets)
+        self.used = torch.zeros(len(refs), dtype=torch.float32)
+        self.optimizer_grads: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ layout helpers
+
+    def _copy_pieces(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        r = self.layout.shard_rank
+        for b in self.layout.buckets:
+            shard[b.shard_offset:b.shard_offset + b.piece].copy_(
+                full[b.offset + r * b.piece:b.offset + (r + 1) * b.piece])
+
+    def _leaf(self, bucket: BucketLayout) -> torch.Tensor:
+        leaf = torch.empty(0, dtype=self.plan.compute_dtype, device=self.full.device)
+        leaf.set_(self.full.untyped_storage(), self.full.storage_offset() + bucket.offset, (bucket.numel,), (1,))
+        if self.plan.trainable:
+            leaf.requires_grad_(True)
+        return leaf
+
+    def master_view(self, i: int) -> torch.Tensor:
+        """This rank's run of parameter ``i`` in the master elements."""
+        piece = self.layout.pieces[i]
+        if self.master is not None:
+            return self.master[piece.shard_start:piece.shard_stop]
+        if self.shard is not None:
+            return self.shard[piece.shard_start:piece.shard_stop]
+        return self.full[piece.full_start:piece.full_start + piece.numel]
+
+    def _whole(self, i: int) -> bool:
+        return self.layout.shards == 1
+
+    def _sharded_param(self, i: int) -> nn.Parameter:
+        view = self.master_view(i)
+        if self._whole(i):
+            view = view.view(self.refs[i].param.shape)
+        return nn.Parameter(view, requires_grad=self.plan.trainable)
+
+    # ------------------------------------------------------------------ gather / free
+
+    def _free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.state = GatherState.SHARDED
+
+    def unshard(self, *, backward: bool) -> None:
+        """Issue the all-gather of ``full`` (asynchronously) unless it is there."""
+        if self.state is not GatherState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(self.layout.numel * self.full.element_size())
+        if backward and self.secondary is not None:
+            self._gather = collectives.all_gather(self.full, self.secondary, self.mesh.secondary, self.stats,
+                                                  async_op=True)
+        else:
+            assert self.shard is not None
+            self._gather = collectives.all_gather(self.full, self.shard, self.mesh.gather, self.stats,
+                                                  async_op=True)
+        self.state = GatherState.GATHERING
+
+    def wait_unshard(self) -> None:
+        """Block until ``full`` holds the gathered parameters."""
+        if self.state is GatherState.GATHERING:
+            assert self._gather is not None
+            self._gather.wait()
+            self._gather = None
+            self.state = GatherState.UNSHARDED
+
+    def reshard(self, *, keep_secondary: bool) -> None:
+        """Free ``full`` (sharded groups); with hpZ keep the secondary shard."""
+        if not self.plan.sharding.sharded_at_rest or self.layout.shards == 1:
+            return
+        self.wait_unshard()
+        if self.state is not GatherState.UNSHARDED:
+            return
+        if keep_secondary and self.plan.keep_secondary and self.mesh.secondary_size < self.layout.shards:
+            size = self.layout.numel // self.mesh.secondary_size
+            j = self.mesh.secondary_rank
+            self.secondary = self.full[j * size:(j + 1) * size].clone()
+        self._free_full()
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements of ``full`` resident now beyond the shard."""
+        return self.layout.numel if self.state is not GatherState.SHARDED and self.full is not self.shard else 0
+
+    # ------------------------------------------------------------------ module views
+
+    def install(self, mark_used: bool) -> None:
+        """Point every module slot at a full-shape view of the gathered leaf."""
+        for bucket, leaf in zip(self.layout.buckets, self.leaves):
+            pieces = leaf.split(self.layout.split_sizes(bucket))
+            for k, i in enumerate(bucket.params):
+                view = pieces[k].view(self.refs[i].param.shape)
+                if mark_used and view.requires_grad:
+                    view.register_hook(self._used_hook(i))
+                for module, attr in self.refs[i].slots:
+                    module._parameters[attr] = view  # type: ignore[assignment]
+
+    def _used_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.used[i] = 1.0
+        return hook
+
+    def restore(self) -> None:
+        """Put the sharded parameters back on the modules."""
+        for ref, param in zip(self.refs, self.params):
+            for module, attr in ref.slots:
+                module._parameters[attr] = param
+
+    # ------------------------------------------------------------------ gradients
+
+    def begin_window(self, *, single_reduce: bool) -> None:
+        """Start an accumulation window: gradients the user cleared start from zero.
+
+        ``single_reduce``: the window reduces once, at its end, so a replicated
+        store can accumulate locally and be reduced in place."""
+        self.accumulated = [False] * len(self.layout.buckets)
+        self.used.zero_()
+        cleared = [p.grad is None for p in self.params]
+        if self.grad_store is None:
+            size = self.layout.shard_numel if self.plan.shard_grads else self.layout.numel
+            self.grad_store = torch.zeros(size, dtype=self.plan.accumulate_dtype, device=self.full.device)
+        elif all(cleared):
+            self.grad_store.zero_()
+        else:
+            for i, was_cleared in enumerate(cleared):
+                if was_cleared:
+                    self._store_view(i).zero_()
+        self.store_is_accumulator = single_reduce and not self.plan.shard_grads and all(cleared)
+
+    def _accumulator(self) -> torch.Tensor:
+        if self.store_is_accumulator:
+            assert self.grad_store is not None
+            return self.grad_store
+        if self.local_acc is None:
+            self.local_acc = torch.zeros(self.layout.numel, dtype=self.plan.accumulate_dtype,
+                                         device=self.full.device)
+        return self.local_acc
+
+    def take_grad(self, b: int) -> torch.Tensor | None:
+        grad = self.leaves[b].grad
+        self.leaves[b].grad = None
+        return grad
+
+    def accumulate_local(self, b: int) -> None:
+        """No-sync micro-step: add the bucket's gradient into the local accumulator."""
+        grad = self.take_grad(b)
+        if grad is None:
+            return
+        bucket = self.layout.buckets[b]
+        self._accumulator()[bucket.offset:bucket.offset + bucket.numel].add_(grad)
+        self.accumulated[b] = True
+
+    def reduce(self, b: int, divisor: float) -> Reduction:
+        """Issue the reduction of bucket ``b`` (this micro-step's and accumulated gradients)."""
+        bucket, plan, mesh = self.layout.buckets[b], self.plan, self.mesh
+        grad = self.take_grad(b)
+        region = slice(bucket.offset, bucket.offset + bucket.numel)
+        acc = self._accumulator() if (self.accumulated[b] or self.store_is_accumulator) else None
+        if acc is not None and self.store_is_accumulator:
+            # Stage 0/1: the store's own bucket is the buffer reduced in place.
+            if grad is not None:
+                acc[region].add_(grad)
+            x = acc[region] if acc.dtype == plan.reduce_dtype else acc[region].to(plan.reduce_dtype)
+        else:
+            if grad is None:
+                x = torch.zeros(bucket.numel, dtype=plan.reduce_dtype, device=self.full.device)
+            else:
+                x = grad.to(plan.reduce_dtype)
+            if acc is not None:
+                x.add_(acc[region])
+        self.accumulated[b] = False
+        x.div_(divisor)
+        r = self.layout.shard_rank
+        y = x[r * bucket.piece:(r + 1) * bucket.piece]
+        if self.layout.shards == 1:  # stage 0: one all-reduce over the replicas
+            work = collectives.all_reduce(y, mesh.replicate, self.stats, async_op=True)
+        else:
+            work = collectives.reduce_scatter(y, x, mesh.reduce, self.stats, async_op=True)
+        across_replicas = self.layout.shards > 1
+        if plan.shard_grads:
+            dst = self.grad_store[bucket.shard_offset:bucket.shard_offset + bucket.piece]  # type: ignore[index]
+        else:
+            start = bucket.offset + r * bucket.piece
+            dst = self.grad_store[start:start + bucket.piece]  # type: ignore[index]
+        in_place = y.data_ptr() == dst.data_ptr()
+
+        def finish() -> None:
+            if across_replicas:
+                collectives.all_reduce(y, mesh.replicate, self.stats)
+            if in_place:
+                return
+            if self.store_is_accumulator:
+                dst.copy_(y)
+            else:
+                dst.add_(y)
+        return Reduction(work, finish)
+
+    def end_window(self) -> None:
+        """After the reductions landed: drop the no-sync accumulator."""
+        self.local_acc = None
+
+    def _store_view(self, i: int) -> torch.Tensor:
+        piece = self.layout.pieces[i]
+        assert self.grad_store is not None
+        if self.plan.shard_grads:
+            return self.grad_store[piece.shard_start:piece.shard_stop]
+        return self.grad_store[piece.full_start:piece.full_start + piece.numel]
+
+    def attach_grads(self, used: torch.Tensor) -> None:
+        """Give each sharded parameter used anywhere its gradient (in the master dtype)."""
+        cast = self.plan.accumulate_dtype != self.plan.master_dtype
+        if cast:
+            self.optimizer_grads = torch.empty(self.layout.shard_numel, dtype=self.plan.master_dtype,
+                                               device=self.full.device)
+        for i, param in enumerate(self.params):
+            if not used[i]:
+                param.grad = None
+                continue
+            grad = self._store_view(i)
+            if cast:
+                piece = self.layout.pieces[i]
+                grad = self.optimizer_grads[piece.shard_start:piece.shard_stop].copy_(grad)  # type: ignore[index]
+            param.grad = grad.view(param.shape)
+
+    # ------------------------------------------------------------------ after the step
+
+    def after_step(self) -> list[Pending]:
+        """Push stepped master values into the compute parameters; replicated groups
+        then all-gather the updated pieces in place. Returns the gathers in flight."""
+        r = self.layout.shard_rank
+        self.secondary = None
+        if self.optimizer_grads is not None:
+            for param in self.params:
+                param.grad = None
+            self.optimizer_grads = None
+        if self.master is not None:
+            target = self.shard if self.shard is not None else None
+            for b in self.layout.buckets:
+                src = self.master[b.shard_offset:b.shard_offset + b.piece]
+                if target is not None:
+                    target[b.shard_offset:b.shard_offset + b.piece].copy_(src)
+                else:
+                    self.full[b.offset + r * b.piece:b.offset + (r + 1) * b.piece].copy_(src)
+        if self.shard is not None or self.layout.shards == 1:
+            return []
+        works = []
+        for b in self.layout.buckets:
+            full = self.full[b.offset:b.offset + b.numel]
+            works.append(collectives.all_gather(full, full[r * b.piece:(r + 1) * b.piece], self.mesh.gather,
+                                                self.stats, async_op=True))
+        return works
+
+    # ------------------------------------------------------------------ accounting
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this group holds at rest, by role."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+        params = size(self.shard) if self.shard is not None else size(self.full)
+        params += size(self.secondary)
+        master = size(self.master)
+        grads = size(self.grad_store) + size(self.local_acc) + size(self.optimizer_grads)
+        if not self.plan.trainable:
+            return {"params": params + master, "grads": 0, "master": 0}
+        return {"params": params, "grads": grads, "master": master}

@@ -1,0 +1,289 @@
+"""``zerobridge run``: start a training script under ``torch.distributed.run``.
+
+    >>> from zerobridge.launch import decode_choice, encode_choice
+    >>> encode_choice(config=None, stage=3, strategy=None)
+    'stage:3'
+    >>> decode_choice("strategy:zero2-offload")
+    ('strategy', 'zero2-offload')
+    >>> decode_choice("1")
+    ('stage', 1)
+
+On the command line::
+
+    zerobridge run --nproc 4 --stage 3 train.py --lr 3e-4
+    zerobridge run --standalone --nproc 2 --config ds_config.json -m mypkg.train
+    zerobridge run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --strategy zero3-offload train.py
+
+Flags before the script belong to the launcher and become ``torchrun`` flags
+(only those given are passed); the script and everything after it are passed
+through untouched. The strategy the user chose reaches every worker in one
+environment variable, ``ZEROBRIDGE_CONFIG``, whose grammar this module owns:
+
+    ``stage:N``            a ZeRO stage, N in 0..3
+    ``strategy:NAME``      a registry name or alias (``zerobridge strategies``)
+    ``config:/abs/path``   a config file (DeepSpeed JSON, Accelerate YAML, ...)
+
+A bare value is read as a config when it names an existing file, as a stage
+when it is an integer 0..3, and as a strategy name otherwise. The backend
+choice travels in ``ZEROBRIDGE_BACKEND``. Both are checked before anything
+is started: a config that does not load is a ``ConfigError`` (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+from zerobridge.errors import ConfigError
+
+__all__ = ["BACKENDS", "ENV_BACKEND", "ENV_CONFIG", "STAGES", "ChoiceKind", "add_run_arguments",
+           "choice_from_env", "decode_choice", "encode_choice", "launch", "launch_env", "torchrun_command",
+           "validate"]
+
+ENV_CONFIG = "ZEROBRIDGE_CONFIG"
+ENV_BACKEND = "ZEROBRIDGE_BACKEND"
+BACKENDS = ("native", "fsdp", "deepspeed")
+STAGES = (0, 1, 2, 3)
+
+ChoiceKind = Literal["stage", "strategy", "config"]
+
+# (argparse dest, torchrun flag) for every launcher option that takes a value.
+_VALUE_FLAGS: tuple[tuple[str, str], ...] = (
+    ("nnodes", "--nnodes"),
+    ("nproc", "--nproc-per-node"),
+    ("node_rank", "--node-rank"),
+    ("master_addr", "--master-addr"),
+    ("master_port", "--master-port"),
+    ("rdzv_backend", "--rdzv-backend"),
+    ("rdzv_endpoint", "--rdzv-endpoint"),
+    ("rdzv_id", "--rdzv-id"),
+    ("max_restarts", "--max-restarts"),
+)
+
+
+def _stage(text: str | int, key: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"a ZeRO stage is an integer 0-3, got {text!r}", key=key) from None
+    if value not in STAGES:
+        raise ConfigError(f"a ZeRO stage is 0, 1, 2 or 3, got {value}", key=key)
+    return value
+
+
+def encode_choice(*, config: str | os.PathLike[str] | None, stage: int | None, strategy: str | None) -> str | None:
+    """The ``ZEROBRIDGE_CONFIG`` value for one choice; None when nothing was chosen.
+
+    Config paths are made absolute, so workers started in another directory
+    find the same file.
+    """
+    given = [flag for flag, value in (("--config", config), ("--stage", stage), ("--strategy", strategy))
+             if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"choose one of --config, --stage and --strategy, not {' and '.join(given)}",
+                          fix="keep one; a config file or strategy name already fixes the stage")
+    if config is not None:
+        return f"config:{os.path.abspath(os.path.expanduser(os.fspath(config)))}"
+    if stage is not None:
+        return f"stage:{_stage(stage, '--stage')}"
+    if strategy is not None:
+        if not strategy.strip():
+            raise ConfigError("--strategy needs a name", fix="`zerobridge strategies` lists the names")
+        return f"strategy:{strategy.strip()}"
+    return None
+
+
+def decode_choice(value: str) -> tuple[ChoiceKind, str | int]:
+    """``("stage", 3)``, ``("strategy", "zero3")`` or ``("config", "/abs/path.json")``."""
+    text = value.strip()
+    kind, sep, rest = text.partition(":")
+    if sep and kind in ("stage", "strategy", "config"):
+        rest = rest.strip()
+        if not rest:
+            raise ConfigError(f"{kind!r} needs a value after the colon, got {value!r}", key=ENV_CONFIG)
+        if kind == "stage":
+            return "stage", _stage(rest, ENV_CONFIG)
+        if kind == "config":
+            return "config", os.path.abspath(os.path.expanduser(rest))
+        return "strategy", rest
+    if not text:
+        raise ConfigError("empty value", key=ENV_CONFIG, fix="use stage:N, strategy:NAME or config:/path")
+    if os.path.isfile(os.path.expanduser(text)):
+        return "config", os.path.abspath(os.path.expanduser(text))
+    if text.isdigit() and int(text) in STAGES:
+        return "stage", int(text)
+    return "strategy", text
+
+
+def choice_from_env(environ: Mapping[str, str] | None = None) -> tuple[ChoiceKind, str | int] | None:
+    """The decoded ``ZEROBRIDGE_CONFIG`` of this process (or ``environ``); None when unset or empty."""
+    value = (os.environ if environ is None else environ).get(ENV_CONFIG, "")
+    return decode_choice(value) if value.strip() else None
+
+
+def _nproc(text: str) -> str:
+    if text in ("auto", "cpu", "gpu", "xpu") or (text.isdigit() and int(text) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"expected a positive integer or auto/cpu/gpu/xpu, got {text!r}")
+
+
+def _nnodes(text: str) -> str:
+    parts = text.split(":")
+    if 1 <= len(parts) <= 2 and all(p.isdigit() and int(p) > 0 for p in parts):
+        return text
+    raise argparse.ArgumentTypeError(f"expected N or MIN:MAX (positive integers), got {text!r}")
+
+
+def _non_negative(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+
+
+def _port(text: str) -> int:
+    if text.isdigit() and 0 < int(text) < 65536:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, got {text!r}")
+
+
+class _ScriptAction(argparse.Action):
+    """Splits the command line after the launcher options into ``script`` and ``script_args``.
+
+    One REMAINDER positional takes everything, ``--`` included: a plain
+    positional for the script would swallow a ``--`` that follows it.
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | list[str] | None, option_string: str | None = None) -> None:
+        words = [values] if isinstance(values, str) else list(values or [])
+        if words[:1] == ["--"]:  # `zerobridge run --nproc 2 -- train.py ...`
+            words = words[1:]
+        if not words:
+            parser.error("the following arguments are required: script")
+        namespace.script, namespace.script_args = words[0], words[1:]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``zerobridge run`` options, positionals last so script flags stay the script's."""
+    parser.usage = ("%(prog)s [launcher options] [--config FILE | --stage {0,1,2,3} | --strategy NAME]\n"
+                    "       [--backend {native,fsdp,deepspeed}] [-m] script [args ...]")
+    g = parser.add_argument_group("processes (passed to torchrun when given)")
+    g.add_argument("--nproc", type=_nproc, metavar="N", help="workers per node (torchrun --nproc-per-node)")
+    g.add_argument("--nnodes", type=_nnodes, metavar="N", help="nodes, or MIN:MAX for elastic jobs")
+    g.add_argument("--node-rank", type=_non_negative, metavar="R", help="this node's rank")
+    g.add_argument("--master-addr", metavar="A", help="address of the rank-0 node")
+    g.add_argument("--master-port", type=_port, metavar="P", help="port of the rank-0 node")
+    g.add_argument("--rdzv-backend", metavar="B", help="rendezvous backend, e.g. c10d")
+    g.add_argument("--rdzv-endpoint", metavar="E", help="rendezvous endpoint host:port")
+    g.add_argument("--rdzv-id", metavar="I", help="job id shared by all nodes")
+    g.add_argument("--max-restarts", type=_non_negative, metavar="K", help="restarts before giving up")
+    g.add_argument("--standalone", action="store_true", help="single node; local rendezvous on a free port")
+    s = parser.add_argument_group("strategy (exported to workers as $ZEROBRIDGE_CONFIG)")
+    choice = s.add_mutually_exclusive_group()
+    choice.add_argument("--config", metavar="FILE", help="a config file: DeepSpeed JSON, Accelerate YAML, ...")
+    choice.add_argument("--stage", type=int, choices=STAGES, help="a ZeRO stage")
+    choice.add_argument("--strategy", metavar="NAME", help="a registry name (`zerobridge strategies`)")
+    s.add_argument("--backend", choices=BACKENDS, help="exported to workers as $ZEROBRIDGE_BACKEND")
+    parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    parser.add_argument("script", nargs=argparse.REMAINDER, action=_ScriptAction, metavar="script [args ...]",
+                        help="training script (or module with -m), then its arguments, passed untouched")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Raise ``ConfigError`` when the launch would fail: before any process starts."""
+    encode_choice(config=args.config, stage=args.stage, strategy=args.strategy)
+    if args.config is not None:
+        path = Path(args.config).expanduser()
+        if not path.is_file():
+            raise ConfigError("config file not found", source=args.config, key="--config",
+                              fix="check the path; for a registry name use --strategy")
+        from zerobridge.loading import load
+
+        load(path)
+    elif args.strategy is not None:
+        from zerobridge.loading import load
+
+        load(args.strategy)
+    if args.backend is not None and args.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {args.backend!r}", key="--backend", fix=f"one of {', '.join(BACKENDS)}")
+    if not args.module and not Path(args.script).is_file():
+        raise ConfigError("training script not found", source=args.script,
+                          fix="check the path; use -m to run a module by name")
+
+
+def torchrun_command(args: argparse.Namespace, *, python: str | None = None) -> list[str]:
+    """The launcher command for parsed ``zerobridge run`` arguments (pure: starts nothing)."""
+    cmd = [python or sys.executable, "-m", "torch.distributed.run"]
+    for dest, flag in _VALUE_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            cmd += [flag, str(value)]
+    if getattr(args, "standalone", False):
+        cmd.append("--standalone")
+    if getattr(args, "module", False):
+        cmd.append("--module")
+    return [*cmd, args.script, *getattr(args, "script_args", [])]
+
+
+def launch_env(args: argparse.Namespace, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The workers' environment: ``base`` (default ``os.environ``) plus the zerobridge variables.
+
+    A variable the user did not choose on the command line is inherited as is.
+    """
+    env = dict(os.environ if base is None else base)
+    choice = encode_choice(config=args.config, stage=args.stage, strategy=args.strategy)
+    if choice is not None:
+        env[ENV_CONFIG] = choice
+    if args.backend is not None:
+        env[ENV_BACKEND] = args.backend
+    return env
+
+
+def _warn_ignored(args: argparse.Namespace) -> None:
+    if args.standalone:
+        ignored = [flag for dest, flag in _VALUE_FLAGS if dest.startswith("rdzv") and getattr(args, dest)]
+        if ignored:
+            print(f"zerobridge: warning: --standalone picks its own rendezvous; {', '.join(ignored)} ignored",
+                  file=sys.stderr)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Validate, start torchrun, wait; returns its exit code (128+N when killed by signal N)."""
+    validate(args)
+    _warn_ignored(args)
+    proc = subprocess.Popen(torchrun_command(args), env=launch_env(args))
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        proc.send_signal(signum)
+
+    previous: dict[signal.Signals, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread: leave signal handling alone
+            break
+    interrupts = 0
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                # Ctrl-C reached torchrun too (same process group) and it is
+                # stopping its workers; insist only on repeated interrupts.
+                interrupts += 1
+                if interrupts == 2:
+                    proc.terminate()
+                elif interrupts > 2:
+                    proc.kill()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
