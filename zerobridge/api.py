@@ -169,7 +169,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     object.__setattr__(model, "_zerobridge_engine", engine)
     if optimizer is None:
         return model
-    replacement = {id(ref.param): new for g in engine.groups for ref, new in zip(g.refs, g.params)}
+    replacement = {ref.source_id: new for g in engine.groups for ref, new in zip(g.refs, g.params)}
     for group in optimizer.param_groups:
         group["params"] = [replacement.get(id(p), p) for p in group["params"]]
     engine.optimizers.add(optimizer)

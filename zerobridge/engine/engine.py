@@ -150,21 +150,21 @@ class Engine:
         p, mesh = self.plan, self.mesh
         persistent = self._persistent(refs) if p.sharding.sharded_at_rest else set(range(len(refs)))
         for trainable in (True, False):
-            chosen = [r for i, r in enumerate(refs) if i in persistent and r.param.requires_grad == trainable]
+            chosen = [r for i, r in enumerate(refs) if i in persistent and r.requires_grad == trainable]
             if chosen:
                 chosen.sort(key=lambda r: -r.order)
                 shards = mesh.shard_size if trainable and p.optimizer_sharded else 1
-                layout = plan_layout([r.param.numel() for r in chosen], shards=shards,
+                layout = plan_layout([r.numel for r in chosen], shards=shards,
                                      shard_rank=mesh.shard_rank if shards > 1 else 0,
                                      bucket_cap=p.reduce_bucket if trainable else None)
                 plan = self._group_plan(sharding=ParamSharding.REPLICATED, trainable=trainable)
                 self.replicated.append(FlatGroup(chosen, layout, plan, mesh, self.stats))
             for unit in self.units:
                 mine = [r for i, r in enumerate(refs) if i not in persistent and owner[i] == unit.index
-                        and r.param.requires_grad == trainable]
+                        and r.requires_grad == trainable]
                 if not mine:
                     continue
-                layout = plan_layout([r.param.numel() for r in mine], shards=mesh.shard_size,
+                layout = plan_layout([r.numel for r in mine], shards=mesh.shard_size,
                                      shard_rank=mesh.shard_rank, bucket_cap=None)
                 plan = self._group_plan(sharding=p.sharding, trainable=trainable)
                 unit.groups.append(FlatGroup(mine, layout, plan, mesh, self.stats))
@@ -175,7 +175,7 @@ class Engine:
         chosen: set[int] = set()
         used = 0
         for i, ref in enumerate(refs):
-            numel = ref.param.numel()
+            numel = ref.numel
             if numel < p.persistence_threshold and (budget is None or used + numel <= budget):
                 chosen.add(i)
                 used += numel
@@ -484,7 +484,7 @@ class Engine:
         for group in self.groups:
             full = self._gather_master(group)
             for ref, offset in zip(group.refs, group.layout.offsets):
-                value = full[offset:offset + ref.param.numel()].view(ref.param.shape).clone()
+                value = full[offset:offset + ref.numel].view(ref.shape).clone()
                 for name in ref.names:
                     state[name] = value
         return state

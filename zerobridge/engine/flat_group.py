@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -46,13 +47,22 @@ __all__ = ["FlatGroup", "GroupPlan", "ParamRef", "Reduction"]
 class ParamRef:
     """An original parameter and every place it is registered."""
 
-    param: nn.Parameter
+    param: nn.Parameter | None
+    """The original; dropped (``None``) once its values are in a flat group."""
+    shape: torch.Size
+    requires_grad: bool
+    source_id: int
+    """``id()`` of the original parameter, to replace it in a user's optimizer."""
     names: tuple[str, ...]
     """Fully qualified names; more than one for tied parameters."""
     slots: tuple[tuple[nn.Module, str], ...]
     """(module, attribute) pairs holding it."""
     order: int
     """Position in registration order (first occurrence)."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
 
 
 @dataclass(frozen=True)
@@ -89,17 +99,19 @@ class FlatGroup:
 
     def __init__(self, refs: list[ParamRef], layout: GroupLayout, plan: GroupPlan, mesh: Mesh,
                  stats: CommStats) -> None:
-        self.refs = refs
+        originals = [ref.param for ref in refs]
+        assert all(p is not None for p in originals)
+        self.refs = [dataclasses.replace(ref, param=None) for ref in refs]
         self.layout = layout
         self.plan = plan
         self.mesh = mesh
         self.stats = stats
-        device = refs[0].param.device
+        device = originals[0].device  # type: ignore[union-attr]
         n, sharded = layout.shards, plan.sharding.sharded_at_rest
         # Initialization: fill full (or shard) and master from the originals.
         full = torch.zeros(layout.numel, dtype=plan.compute_dtype, device=device)
-        for ref, offset in zip(refs, layout.offsets):
-            flat = ref.param.detach().reshape(-1)
+        for original, offset in zip(originals, layout.offsets):
+            flat = original.detach().reshape(-1)  # type: ignore[union-attr]
             full[offset:offset + flat.numel()].copy_(flat)
         self.shard: torch.Tensor | None = None
         if sharded:
@@ -111,8 +123,9 @@ class FlatGroup:
         if plan.master_dtype != plan.compute_dtype:
             self.master = torch.zeros(layout.shard_numel, dtype=plan.master_dtype, device=device)
             staged = torch.zeros(layout.numel, dtype=plan.master_dtype, device=device)
-            for ref, offset in zip(refs, layout.offsets):
-                staged[offset:offset + ref.param.numel()].copy_(ref.param.detach().reshape(-1))
+            for original, offset in zip(originals, layout.offsets):
+                flat = original.detach().reshape(-1)  # type: ignore[union-attr]
+                staged[offset:offset + flat.numel()].copy_(flat)
             self._copy_pieces(staged, self.master)
         self.params = [self._sharded_param(i) for i in range(len(refs))]
         self.state = GatherState.UNSHARDED
@@ -158,7 +171,7 @@ class FlatGroup:
     def _sharded_param(self, i: int) -> nn.Parameter:
         view = self.master_view(i)
         if self._whole(i):
-            view = view.view(self.refs[i].param.shape)
+            view = view.view(self.refs[i].shape)
         return nn.Parameter(view, requires_grad=self.plan.trainable)
 
     # ------------------------------------------------------------------ gather / free
@@ -214,7 +227,7 @@ class FlatGroup:
         for bucket, leaf in zip(self.layout.buckets, self.leaves):
             pieces = leaf.split(self.layout.split_sizes(bucket))
             for k, i in enumerate(bucket.params):
-                view = pieces[k].view(self.refs[i].param.shape)
+                view = pieces[k].view(self.refs[i].shape)
                 if mark_used and view.requires_grad:
                     view.register_hook(self._used_hook(i))
                 for module, attr in self.refs[i].slots:

@@ -42,7 +42,8 @@ def collect_params(model: nn.Module) -> list[ParamRef]:
             if (id(module), attr) not in seen_slots:
                 seen_slots.add((id(module), attr))
                 entry[2].append((module, attr))
-    return [ParamRef(param=p, names=tuple(names), slots=tuple(slots), order=order)
+    return [ParamRef(param=p, shape=p.shape, requires_grad=p.requires_grad, source_id=id(p), names=tuple(names),
+                     slots=tuple(slots), order=order)
             for p, names, slots, order in found.values()]
 
 

@@ -18,6 +18,7 @@ into a param group without weight decay.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ParityNet", "RunResult", "run_native", "run_reference"]
+__all__ = ["ParityNet", "RunResult", "batch", "run_device", "run_native", "run_reference"]
 
 VOCAB, WIDTH, HIDDEN, SEQ = 37, 13, 29, 5
 
@@ -68,6 +69,13 @@ class ParityNet(nn.Module):
         x = x + 0.5 * self.frozen(x)
         logits = self.head(self.norm_f(x))
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def run_device() -> torch.device:
+    """The device of this rank: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def batch(step: int, micro: int, size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +136,8 @@ def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: in
 
 def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, optimizer: str = "adamw",
                global_batch: int = 8, accumulation: int = 1, accumulation_mode: str = "spec",
-               clip: float | None = 1.0, seed: int = 0, prepare_optimizer: bool = False) -> RunResult:
+               clip: float | None = 1.0, seed: int = 0, prepare_optimizer: bool = False,
+               on_step: Callable[[int], None] | None = None, collect_state: bool = True) -> RunResult:
     """On every rank: the same training under ZeRO ``stage`` or ``spec``.
 
     ``accumulation_mode``: ``spec`` (the spec's accumulation steps; backward on
@@ -140,7 +149,8 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     from zerobridge.api import spec_for_stage
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = ParityNet(seed)
+    device = run_device()
+    model = ParityNet(seed).to(device)
     if spec is None:
         spec = spec_for_stage(stage if stage is not None else 0, model)
     if accumulation_mode == "spec":
@@ -155,9 +165,11 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     per_rank = global_batch // accumulation // world
     for step in range(steps):
         zerobridge.reset_stats(model)
-        total = torch.zeros(1)
+        if on_step is not None:
+            on_step(step)
+        total = torch.zeros(1, device=device)
         for micro in range(accumulation):
-            tokens, targets = batch(step, micro, global_batch // accumulation)
+            tokens, targets = (t.to(device) for t in batch(step, micro, global_batch // accumulation))
             mine = slice(rank * per_rank, (rank + 1) * per_rank)
             quiet = accumulation_mode == "no_sync" and micro < accumulation - 1
             with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
@@ -173,5 +185,6 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         dist.all_reduce(total)
         result.losses.append(total.item() / world)
         result.grad_norms.append(norm.item())
-    result.state = zerobridge.full_state_dict(model)
+    if collect_state:
+        result.state = {k: v.cpu() for k, v in zerobridge.full_state_dict(model).items()}
     return result
