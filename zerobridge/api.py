@@ -17,7 +17,6 @@ environment chooses one; with neither, stage 0 (plain data parallel).
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,14 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobridge.engine import Engine, plan_engine
-from zerobridge.engine.mesh import build_mesh
+from zerobridge.engine.mesh import build_mesh, group_timeout
 from zerobridge.errors import ConfigError
 from zerobridge.spec import BatchSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
 
 __all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "prepare", "reset_stats", "spec_for_stage", "stats"]
 
 CONFIG_ENV = "ZEROBRIDGE_CONFIG"
-TIMEOUT_ENV = "ZEROBRIDGE_TIMEOUT"
 
 
 class ZeroModule(nn.Module):
@@ -106,7 +104,7 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
 def _init_distributed(model: nn.Module) -> None:
     if dist.is_initialized():
         return
-    timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
+    timeout = group_timeout()
     device = next(model.parameters()).device
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -201,7 +199,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
     memory = engine.memory()
     total = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
     return {**memory, "tier_bytes": {"device": total, "host": 0, "nvme": 0},
-            "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls)}
+            "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),
+            "loss_scale": engine.scaler.scale, "skipped_steps": engine.skipped_steps}
 
 
 def reset_stats(model: nn.Module) -> None:

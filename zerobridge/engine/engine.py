@@ -130,6 +130,7 @@ class Engine:
         self.finalized = False
         self.skip_step = False
         self.clipped = False
+        self.skipped_steps = 0
         self.stats.reset()
         _ENGINES.add(self)
         _install_step_hooks()
@@ -324,7 +325,8 @@ class Engine:
             self._begin_backward()
         if self.reduce_now:
             self.ready.add((id(group), b))
-            self._launch_ready()
+            if self.plan.overlap_reduce:
+                self._launch_ready()
         else:
             group.accumulate_local(b)
         unit = next((u for u in self.units if group in u.groups), None)
@@ -420,6 +422,7 @@ class Engine:
             collectives.all_reduce(local, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
             self.skip_step = bool(local.item())
             self.scaler.update(found_inf=self.skip_step)
+            self.skipped_steps += int(self.skip_step)
         if self.plan.clip_grad_norm is not None and not self.skip_step:
             self.clip_grad_norm(self.plan.clip_grad_norm)
         return True
@@ -468,12 +471,16 @@ class Engine:
                 self.awaiting_step.clear()
             return
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        works = []
+        inflight: list[tuple[int, collectives.Pending]] = []
+        bound = self.plan.allgather_bucket
         for group in self.trainable:
             if id(group) in self.awaiting_step and any(id(p) in stepped for p in group.params):
-                works.extend(group.after_step())
+                for numel, work in group.after_step():
+                    inflight.append((numel, work))
+                    while bound is not None and len(inflight) > 1 and sum(n for n, _ in inflight) > bound:
+                        inflight.pop(0)[1].wait()
                 self.awaiting_step.discard(id(group))
-        for work in works:
+        for _, work in inflight:
             work.wait()
 
     # ------------------------------------------------------------------ state

@@ -27,7 +27,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -362,9 +362,10 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ after the step
 
-    def after_step(self) -> list[Pending]:
+    def after_step(self) -> Iterator[tuple[int, Pending]]:
         """Push stepped master values into the compute parameters; replicated groups
-        then all-gather the updated pieces in place. Returns the gathers in flight."""
+        then all-gather the updated pieces in place, yielding each gather in flight
+        with its element count (the caller bounds how many are in flight)."""
         r = self.layout.shard_rank
         self.secondary = None
         if self.optimizer_grads is not None:
@@ -380,13 +381,11 @@ class FlatGroup:
                 else:
                     self.full[b.offset + r * b.piece:b.offset + (r + 1) * b.piece].copy_(src)
         if self.shard is not None or self.layout.shards == 1:
-            return []
-        works = []
+            return
         for b in self.layout.buckets:
             full = self.full[b.offset:b.offset + b.numel]
-            works.append(collectives.all_gather(full, full[r * b.piece:(r + 1) * b.piece], self.mesh.gather,
-                                                self.stats, async_op=True))
-        return works
+            yield b.numel, collectives.all_gather(full, full[r * b.piece:(r + 1) * b.piece], self.mesh.gather,
+                                                  self.stats, async_op=True)
 
     # ------------------------------------------------------------------ accounting
 

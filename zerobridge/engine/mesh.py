@@ -13,11 +13,34 @@ their orders cannot interleave differently on different ranks.
 
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["Mesh", "build_mesh", "layout_ranks"]
+__all__ = ["TIMEOUT_ENV", "Mesh", "build_mesh", "group_timeout", "layout_ranks"]
+
+TIMEOUT_ENV = "ZEROBRIDGE_TIMEOUT"
+
+
+def group_timeout() -> datetime.timedelta:
+    """How long a collective may wait for its peers before it raises.
+
+    ``ZEROBRIDGE_TIMEOUT`` (seconds) when set; else the default group's own
+    timeout (torch gives new groups 30 minutes, not the default group's).
+    """
+    if os.environ.get(TIMEOUT_ENV):
+        return datetime.timedelta(seconds=float(os.environ[TIMEOUT_ENV]))
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            try:
+                return default._get_backend(device).options._timeout  # type: ignore[attr-defined, no-any-return]
+            except (RuntimeError, AttributeError):
+                continue
+    return datetime.timedelta(seconds=600)
 
 
 def layout_ranks(*, world_size: int, shard_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -60,10 +83,11 @@ class Mesh:
 def _subgroup(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup | None:
     """Create every group (all ranks must call ``new_group`` for each) and keep ours."""
     mine: dist.ProcessGroup | None = None
+    timeout = group_timeout()
     for ranks in rank_lists:
         if len(ranks) == 1:
             continue
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine

@@ -54,6 +54,7 @@ class EnginePlan:
     prefetch_bucket: int | None
     persistence_threshold: int
     model_persistence_threshold: int | None
+    overlap_reduce: bool
     forward_prefetch: bool
     backward_prefetch: BackwardPrefetch
     max_inflight_gathers: int | None
@@ -171,7 +172,7 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
         persistence_threshold=_auto_size(comm.persistence_threshold, "communication.persistence_threshold", model,
                                          "10 x hidden", 10.0) or 0,
         model_persistence_threshold=comm.model_persistence_threshold,
-        forward_prefetch=comm.forward_prefetch, backward_prefetch=comm.backward_prefetch,
+        overlap_reduce=comm.overlap_reduce, forward_prefetch=comm.forward_prefetch, backward_prefetch=comm.backward_prefetch,
         max_inflight_gathers=comm.max_inflight_gathers, max_live_parameters=comm.max_live_parameters,
         max_reuse_distance=comm.max_reuse_distance, accumulation_steps=accumulation, grad_sync=batch.grad_sync,
         clip_grad_norm=None if clip is None or is_auto(clip) else float(clip),  # type: ignore[arg-type]

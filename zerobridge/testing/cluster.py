@@ -146,7 +146,9 @@ def _worker_main(
 class Cluster:
     """``world_size`` spawned workers sharing one default process group.
 
-    ``timeout_s`` bounds each :meth:`run` (and is the process-group timeout);
+    ``timeout_s`` bounds each :meth:`run`; ``group_timeout_s`` (default: the
+    same) is the process-group timeout, after which a collective whose peers
+    never come raises in the worker;
     start-up may take up to ``max(timeout_s, 60)`` seconds. ``backend`` is
     passed to ``init_process_group``; without it a worker uses "nccl" when
     ``ZEROBRIDGE_TEST_DEVICE=cuda`` and CUDA is available, else "gloo".
@@ -154,7 +156,8 @@ class Cluster:
     above take precedence).
     """
 
-    def __init__(self, world_size: int, *, timeout_s: float = 120.0, backend: str | None = None,
+    def __init__(self, world_size: int, *, timeout_s: float = 120.0, group_timeout_s: float | None = None,
+                 backend: str | None = None,
                  env: dict[str, str] | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -162,6 +165,7 @@ class Cluster:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
+        self.group_timeout_s = float(group_timeout_s if group_timeout_s is not None else timeout_s)
         self.backend = backend
         self.env = dict(env or {})
         self._ctx = multiprocessing.get_context("spawn")
@@ -185,7 +189,7 @@ class Cluster:
             tasks: Queue[Any] = self._ctx.Queue()
             proc = self._ctx.Process(
                 target=_worker_main, name=f"zerobridge-rank{rank}", daemon=True,
-                args=(rank, self.world_size, port, self.timeout_s, self.backend, self.env, tasks, self._results),
+                args=(rank, self.world_size, port, self.group_timeout_s, self.backend, self.env, tasks, self._results),
             )
             self._tasks.append(tasks)
             self._procs.append(proc)

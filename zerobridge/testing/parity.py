@@ -108,11 +108,15 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: list[dict[str, Any]] = field(default_factory=list)
+    summary: str = ""
 
 
 def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: int = 8, accumulation: int = 1,
-                  clip: float | None = 1.0, dtype: str = "fp32", seed: int = 0) -> RunResult:
-    """One process, the whole global batch: the numbers a sharded run must match."""
+                  clip: float | None = 1.0, dtype: str = "fp32", seed: int = 0, skip_steps: tuple[int, ...] = ()) -> RunResult:
+    """One process, the whole global batch: the numbers a sharded run must match.
+
+    ``skip_steps``: steps that compute gradients but do not step (as in a run
+    whose loss scale overflowed)."""
     model = ParityNet(seed)
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     opt = make_optimizer(list(model.named_parameters()), optimizer)
@@ -126,7 +130,8 @@ def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: in
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf"))
-        opt.step()
+        if step not in skip_steps:
+            opt.step()
         opt.zero_grad()
         result.losses.append(total)
         result.grad_norms.append(norm.item())
@@ -137,7 +142,8 @@ def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: in
 def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, optimizer: str = "adamw",
                global_batch: int = 8, accumulation: int = 1, accumulation_mode: str = "spec",
                clip: float | None = 1.0, seed: int = 0, prepare_optimizer: bool = False,
-               on_step: Callable[[int], None] | None = None, collect_state: bool = True) -> RunResult:
+               on_step: Callable[[int], None] | None = None, collect_state: bool = True,
+               from_env: bool = False) -> RunResult:
     """On every rank: the same training under ZeRO ``stage`` or ``spec``.
 
     ``accumulation_mode``: ``spec`` (the spec's accumulation steps; backward on
@@ -151,17 +157,19 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     rank, world = dist.get_rank(), dist.get_world_size()
     device = run_device()
     model = ParityNet(seed).to(device)
-    if spec is None:
+    if from_env:
+        spec = None
+    elif spec is None:
         spec = spec_for_stage(stage if stage is not None else 0, model)
-    if accumulation_mode == "spec":
+    if accumulation_mode == "spec" and spec is not None:
         spec = spec.model_copy(update={"batch": spec.batch.model_copy(update={"accumulation_steps": accumulation})})
     if prepare_optimizer:
         opt = make_optimizer(list(model.named_parameters()), optimizer)
         model, opt = zerobridge.prepare(model, opt, config=spec)
     else:
-        model = zerobridge.prepare(model, config=spec)
+        model = zerobridge.prepare(model, config=spec)  # config=None: ZEROBRIDGE_CONFIG decides
         opt = make_optimizer(list(model.named_parameters()), optimizer)
-    result = RunResult()
+    result = RunResult(summary=model.zerobridge_engine.plan.spec.summary())  # type: ignore[operator]
     per_rank = global_batch // accumulation // world
     for step in range(steps):
         zerobridge.reset_stats(model)
@@ -188,3 +196,12 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     if collect_state:
         result.state = {k: v.cpu() for k, v in zerobridge.full_state_dict(model).items()}
     return result
+
+
+def leave_early(*, rank_that_leaves: int) -> str:
+    """One rank returns at once while the others start training: they must fail
+    with a timeout error, not hang."""
+    if dist.get_rank() == rank_that_leaves:
+        return "left"
+    run_native(stage=3, steps=1)
+    return "trained"
