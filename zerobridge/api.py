@@ -170,7 +170,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     replacement = {ref.source_id: new for g in engine.groups for ref, new in zip(g.refs, g.params)}
     for group in optimizer.param_groups:
         group["params"] = [replacement.get(id(p), p) for p in group["params"]]
-    engine.optimizers.add(optimizer)
+    engine.stepping.optimizers.add(optimizer)
     return model, optimizer
 
 
@@ -200,7 +200,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
     total = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
     return {**memory, "tier_bytes": {"device": total, "host": 0, "nvme": 0},
             "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),
-            "loss_scale": engine.scaler.scale, "skipped_steps": engine.skipped_steps}
+            "loss_scale": engine.stepping.scaler.scale, "skipped_steps": engine.stepping.skipped_steps}
 
 
 def reset_stats(model: nn.Module) -> None:

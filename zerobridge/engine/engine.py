@@ -4,7 +4,7 @@
     >>> model = zerobridge.prepare(torch.nn.Linear(4, 2), stage=2)   # world size 1 without a launcher
     >>> model(torch.ones(3, 4)).sum().backward()
     >>> [p.grad.shape for p in model.parameters()]
-    [torch.Size([8]), torch.Size([2])]
+    [torch.Size([2, 4]), torch.Size([2])]
 
 Calls go one way: the hooks here drive units, units drive flat groups
 (``flat_group.py``), flat groups issue collectives (``collectives.py``).
@@ -29,7 +29,6 @@ step     global optimizer hooks: unscale and check overflow, clip when the
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,15 +43,15 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.flat_group import FlatGroup, GroupPlan, ParamRef, Reduction
 from zerobridge.engine.layout import plan_layout
-from zerobridge.engine.loss_scale import LossScaler, ScaleGrad
+from zerobridge.engine.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.plan import EnginePlan
+from zerobridge.engine.state import full_state_dict, resident_bytes
+from zerobridge.engine.step import StepControl, install_optimizer_hooks
 from zerobridge.engine.units import collect_params, owners, unit_modules
 from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
 
 __all__ = ["Engine", "Unit"]
-
-_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 @dataclass(eq=False)
@@ -86,8 +85,6 @@ class Engine:
         self.plan = plan
         self.mesh = mesh
         self.stats = CommStats()
-        self.scaler = LossScaler(plan.loss_scaling)
-        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._broadcast_from_rank0()
         if plan.buffer_dtype is not None:
             for module in model.modules():
@@ -103,6 +100,7 @@ class Engine:
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
         self.trainable = [g for g in self.groups if g.plan.trainable]
         self.param_ids = {id(p) for g in self.groups for p in g.params}
+        self.stepping = StepControl(plan, mesh, self.stats, self.trainable)
         # The reduction order every rank follows: buckets whose earliest-registered
         # parameter comes last are expected to finish first in backward.
         order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
@@ -126,14 +124,8 @@ class Engine:
         self.pending: list[Reduction] = []
         self.forward_order: list[Unit] = []
         self.previous_order: list[Unit] = []
-        self.awaiting_step: set[int] = set()
-        self.finalized = False
-        self.skip_step = False
-        self.clipped = False
-        self.skipped_steps = 0
         self.stats.reset()
-        _ENGINES.add(self)
-        _install_step_hooks()
+        install_optimizer_hooks(self.stepping)
 
     def _broadcast_from_rank0(self) -> None:
         with torch.no_grad():
@@ -233,8 +225,8 @@ class Engine:
         if unit.index == 0:
             for group in self.replicated:
                 group.restore()
-            if grad and self.scaler.enabled:
-                output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.scaler.scale)
+            if grad and self.stepping.scaler.enabled:
+                output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.stepping.scaler.scale)
                                          if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
         if grad:
             hook = self._pre_backward_hook(unit)
@@ -293,7 +285,6 @@ class Engine:
             for group in self.trainable:
                 group.begin_window(single_reduce=single_reduce)
             self.window_open = True
-            self.finalized = False
         self.ready.clear()
         self.cursor = 0
 
@@ -381,11 +372,9 @@ class Engine:
             group.attach_grads(flags[start:start + count].cpu())
             group.end_window()
             start += count
-        self.awaiting_step = {id(g) for g in self.trainable}
+        self.stepping.gradients_ready()
         self.window_open = False
         self.micro_in_window = 0
-        self.finalized = False
-        self.clipped = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -396,142 +385,19 @@ class Engine:
         finally:
             self.no_sync_depth -= 1
 
-    # ------------------------------------------------------------------ step
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for g in self.trainable for p in g.params if p.grad is not None]
-
-    def finalize(self) -> bool:
-        """Before clipping or stepping: unscale, check overflow, clip if the spec says.
-        Returns whether there are gradients to step on."""
-        if not self.awaiting_step:
-            return False
-        if self.finalized:
-            return True
-        self.finalized = True
-        grads = self._grads()
-        if self.scaler.enabled:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        self.skip_step = False
-        if self.scaler.enabled or self.plan.skip_nonfinite_steps:
-            local = torch.zeros(1, device=self.groups[0].full.device)
-            for grad in grads:
-                if not torch.isfinite(grad).all():
-                    local.fill_(1.0)
-                    break
-            collectives.all_reduce(local, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
-            self.skip_step = bool(local.item())
-            self.scaler.update(found_inf=self.skip_step)
-            self.skipped_steps += int(self.skip_step)
-        if self.plan.clip_grad_norm is not None and not self.skip_step:
-            self.clip_grad_norm(self.plan.clip_grad_norm)
-        return True
+    # ------------------------------------------------------------------ step and state
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient by the global norm over all ranks; return that norm."""
-        if not self.finalize():
-            raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
-                               "boundary (outside no_sync), before optimizer.step()")
-        grads = self._grads()
-        device = self.groups[0].full.device
-        inf = norm_type == float("inf")
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-            local = norms.max() if inf else norms.pow(norm_type).sum()
-        else:
-            local = torch.zeros((), device=device)
-        local = local.reshape(1).to(torch.float32)
-        op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
-        collectives.all_reduce(local, self.mesh.reduce, self.stats, op=op)
-        total = local[0] if inf else local[0].pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        self.clipped = True
-        return total
-
-    def before_step(self, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
-        """Called by the optimizer pre-step hook; returns the gradients it hid."""
-        self.optimizers.add(optimizer)
-        ready = self.finalize()
-        if ready and not self.skip_step:
-            return []
-        hidden = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) in self.param_ids:
-                    hidden.append((param, param.grad))
-                    param.grad = None
-        return hidden
-
-    def after_step(self, optimizer: torch.optim.Optimizer, hidden: list[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
-        """Called by the optimizer post-step hook: refresh compute parameters."""
-        if hidden or not self.awaiting_step:
-            if self.skip_step:
-                self.awaiting_step.clear()
-            return
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        inflight: list[tuple[int, collectives.Pending]] = []
-        bound = self.plan.allgather_bucket
-        for group in self.trainable:
-            if id(group) in self.awaiting_step and any(id(p) in stepped for p in group.params):
-                for numel, work in group.after_step():
-                    inflight.append((numel, work))
-                    while bound is not None and len(inflight) > 1 and sum(n for n, _ in inflight) > bound:
-                        inflight.pop(0)[1].wait()
-                self.awaiting_step.discard(id(group))
-        for _, work in inflight:
-            work.wait()
-
-    # ------------------------------------------------------------------ state
+        return self.stepping.clip_grad_norm(max_norm, norm_type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded master values under every original name, with buffers, on every rank."""
-        state = self.model.state_dict()
-        for group in self.groups:
-            full = self._gather_master(group)
-            for ref, offset in zip(group.refs, group.layout.offsets):
-                value = full[offset:offset + ref.numel].view(ref.shape).clone()
-                for name in ref.names:
-                    state[name] = value
-        return state
-
-    def _gather_master(self, group: FlatGroup) -> torch.Tensor:
-        layout = group.layout
-        shard = group.master if group.master is not None else group.shard
-        if shard is None and layout.shards == 1:
-            return group.full
-        if shard is None:  # replicated, master is full itself
-            return group.full
-        if layout.shards == 1:
-            out = shard
-        else:
-            gathered = torch.empty(layout.numel, dtype=shard.dtype, device=shard.device)
-            collectives.all_gather(gathered, shard, self.mesh.gather, self.stats)
-            out = torch.empty_like(gathered)
-            for b in layout.buckets:
-                for r in range(layout.shards):
-                    src = r * layout.shard_numel + b.shard_offset
-                    out[b.offset + r * b.piece:b.offset + (r + 1) * b.piece] = gathered[src:src + b.piece]
-        return out
+        return full_state_dict(self.model, self.groups, self.mesh, self.stats)
 
     def memory(self) -> dict[str, int]:
         """Resident model-state bytes on this rank by role."""
-        params = grads = master = 0
-        for group in self.groups:
-            sizes = group.resident_bytes()
-            params, grads, master = params + sizes["params"], grads + sizes["grads"], master + sizes["master"]
-        seen: set[int] = set()
-        states = 0
-        for optimizer in self.optimizers:
-            for param, state in optimizer.state.items():
-                if id(param) not in self.param_ids:
-                    continue
-                for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
-                        seen.add(value.untyped_storage().data_ptr())
-                        states += value.untyped_storage().nbytes()
-        return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": master + states}
+        return resident_bytes(self.groups, self.stepping.optimizers)
 
 
 def _checkpointed(forward: Any) -> Any:
@@ -544,27 +410,3 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-_HOOKS_INSTALLED = False
-
-
-def _install_step_hooks() -> None:
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED:
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-    hidden: dict[int, list[tuple[Engine, list[tuple[nn.Parameter, torch.Tensor | None]]]]] = {}
-
-    def owners_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [e for e in list(_ENGINES) if not ids.isdisjoint(e.param_ids)]
-
-    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        hidden[id(optimizer)] = [(e, e.before_step(optimizer)) for e in owners_of(optimizer)]
-
-    def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for engine, stash in hidden.pop(id(optimizer), []):
-            engine.after_step(optimizer, stash)
-
-    register_optimizer_step_pre_hook(pre)
-    register_optimizer_step_post_hook(post)
-    _HOOKS_INSTALLED = True

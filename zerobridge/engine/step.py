@@ -1,0 +1,170 @@
+"""Between backward and the optimizer: unscale, overflow check, clipping, and the
+optimizer hooks that skip steps and refresh compute parameters afterwards.
+
+    >>> from zerobridge.engine.step import StepControl
+    >>> StepControl.__doc__.split(".")[0]
+    'What happens around optimizer'
+
+The user keeps a plain torch optimizer. Global optimizer step hooks find the
+engines that own its parameters: before the step they finalise the
+gradients (or hide them when the step must be skipped: fp16 overflow, or no
+accumulation boundary reached); after it they push the stepped master values
+into the compute parameters (and, replicated, all-gather them).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerobridge.engine import collectives
+from zerobridge.engine.collectives import CommStats, Pending
+from zerobridge.engine.flat_group import FlatGroup
+from zerobridge.engine.loss_scale import LossScaler
+from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.plan import EnginePlan
+
+__all__ = ["StepControl", "install_optimizer_hooks"]
+
+Hidden = list[tuple[nn.Parameter, torch.Tensor | None]]
+
+
+class StepControl:
+    """What happens around optimizer.step() for one engine."""
+
+    def __init__(self, plan: EnginePlan, mesh: Mesh, stats: CommStats, trainable: list[FlatGroup]) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.stats = stats
+        self.trainable = trainable
+        self.param_ids = {id(p) for g in trainable for p in g.params}
+        self.scaler = LossScaler(plan.loss_scaling)
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.awaiting: set[int] = set()
+        """Groups holding gradients no optimizer has stepped on yet."""
+        self.finalized = False
+        self.skip = False
+        self.skipped_steps = 0
+
+    def gradients_ready(self) -> None:
+        """An accumulation boundary handed every group its gradients."""
+        self.awaiting = {id(g) for g in self.trainable}
+        self.finalized = False
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.trainable for p in g.params if p.grad is not None]
+
+    def _device(self) -> torch.device:
+        return self.trainable[0].full.device if self.trainable else torch.device("cpu")
+
+    def finalize(self) -> bool:
+        """Unscale, check for overflow, clip if the spec says (once per boundary).
+        Returns whether there are gradients to step on."""
+        if not self.awaiting:
+            return False
+        if self.finalized:
+            return True
+        self.finalized = True
+        grads = self._grads()
+        if self.scaler.enabled and grads:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        self.skip = False
+        if self.scaler.enabled or self.plan.skip_nonfinite_steps:
+            local = torch.zeros(1, device=self._device())
+            if any(not torch.isfinite(g).all() for g in grads):
+                local.fill_(1.0)
+            collectives.all_reduce(local, self.mesh.control, self.stats, op=dist.ReduceOp.MAX)
+            self.skip = bool(local.item())
+            self.scaler.update(found_inf=self.skip)
+            self.skipped_steps += int(self.skip)
+        if self.plan.clip_grad_norm is not None and not self.skip:
+            self.clip_grad_norm(self.plan.clip_grad_norm)
+        return True
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so their global norm (every rank, every shard) is at most
+        ``max_norm``; return the norm before clipping. torch's formula."""
+        if not self.finalize():
+            raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
+                               "boundary (outside no_sync), before optimizer.step()")
+        grads = self._grads()
+        inf = norm_type == float("inf")
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+            local = norms.max() if inf else norms.pow(norm_type).sum()
+        else:
+            local = torch.zeros((), device=self._device())
+        local = local.reshape(1).to(torch.float32)
+        # Shards of one copy are summed; replicas hold the same shard and are not.
+        collectives.all_reduce(local, self.mesh.reduce, self.stats,
+                               op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        total = local[0] if inf else local[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return total
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> Hidden:
+        """Optimizer pre-step hook; returns the gradients it hid to skip the step."""
+        self.optimizers.add(optimizer)
+        if self.finalize() and not self.skip:
+            return []
+        hidden: Hidden = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in self.param_ids:
+                    hidden.append((param, param.grad))
+                    param.grad = None
+        return hidden
+
+    def after_step(self, optimizer: torch.optim.Optimizer, hidden: Hidden) -> None:
+        """Optimizer post-step hook: refresh the compute parameters of stepped groups."""
+        if hidden or not self.awaiting:
+            if self.skip:
+                self.awaiting.clear()
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        inflight: list[tuple[int, Pending]] = []
+        bound = self.plan.allgather_bucket
+        for group in self.trainable:
+            if id(group) in self.awaiting and any(id(p) in stepped for p in group.params):
+                for numel, work in group.after_step():
+                    inflight.append((numel, work))
+                    while bound is not None and len(inflight) > 1 and sum(n for n, _ in inflight) > bound:
+                        inflight.pop(0)[1].wait()
+                self.awaiting.discard(id(group))
+        for _, work in inflight:
+            work.wait()
+
+
+_CONTROLS: weakref.WeakSet[StepControl] = weakref.WeakSet()
+_INSTALLED = False
+
+
+def install_optimizer_hooks(control: StepControl) -> None:
+    """Register ``control`` with the process-wide optimizer step hooks."""
+    global _INSTALLED
+    _CONTROLS.add(control)
+    if _INSTALLED:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    hidden: dict[int, list[tuple[StepControl, Hidden]]] = {}
+
+    def owners(optimizer: torch.optim.Optimizer) -> list[StepControl]:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [c for c in list(_CONTROLS) if not ids.isdisjoint(c.param_ids)]
+
+    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        hidden[id(optimizer)] = [(c, c.before_step(optimizer)) for c in owners(optimizer)]
+
+    def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for control, stash in hidden.pop(id(optimizer), []):
+            control.after_step(optimizer, stash)
+
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+    _INSTALLED = True
