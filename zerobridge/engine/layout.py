@@ -134,7 +134,8 @@ def plan_layout(numels: list[int] | tuple[int, ...], *, shards: int, shard_rank:
         own_start = bucket.offset + shard_rank * bucket.piece
         start = max(offsets[index], own_start)
         stop = min(offsets[index] + numel, own_start + bucket.piece)
-        stop = max(start, stop)
+        if stop <= start:  # this rank owns none of it
+            start = stop = own_start
         shard_start = bucket.shard_offset + (start - own_start)
         pieces.append(LocalPiece(shard_start=shard_start, shard_stop=shard_start + stop - start,
                                  param_start=start - offsets[index], full_start=start))
