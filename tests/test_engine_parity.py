@@ -104,6 +104,9 @@ def test_unused_and_frozen_parameters_do_not_change(clusters: dict[int, Cluster]
         assert torch.equal(results[0].state[name], initial[name]), name
     assert not torch.equal(results[0].state["embed.weight"], initial["embed.weight"])
     assert torch.equal(results[0].state["embed.weight"], results[0].state["head.weight"])
+    original = ParityNet(0)
+    assert results[0].names == ([n for n, _ in original.named_parameters(remove_duplicate=False)]
+                                + list(original.state_dict())), "names survive sharding"
 
 
 def test_sharding_changes_nothing_between_stages(clusters: dict[int, Cluster]) -> None:

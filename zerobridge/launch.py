@@ -199,6 +199,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     """Raise ``ConfigError`` when the launch would fail: before any process starts."""
     encode_choice(config=args.config, stage=args.stage, strategy=args.strategy)
+    spec = None
     if args.config is not None:
         path = Path(args.config).expanduser()
         if not path.is_file():
@@ -206,11 +207,21 @@ def validate(args: argparse.Namespace) -> None:
                               fix="check the path; for a registry name use --strategy")
         from zerobridge.loading import load
 
-        load(path)
+        spec = load(path).value
     elif args.strategy is not None:
         from zerobridge.loading import load
 
-        load(args.strategy)
+        spec = load(args.strategy).value
+    if spec is not None and args.backend in (None, "native"):
+        from zerobridge.engine.plan import check_runnable
+
+        nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
+        nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
+        world = nproc * nnodes if nproc is not None and nnodes is not None else None
+        try:
+            check_runnable(spec, world_size=world, local_world_size=nproc)
+        except ConfigError as exc:
+            raise ConfigError(exc.message, source=args.config or args.strategy, key=exc.key, fix=exc.fix) from None
     if args.backend is not None and args.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {args.backend!r}", key="--backend", fix=f"one of {', '.join(BACKENDS)}")
     if not args.module and not Path(args.script).is_file():

@@ -25,7 +25,7 @@ from zerobridge.spec import (
     BackwardPrefetch, DType, GradSync, LossScaling, NoLossScale, ParamSharding, StrategySpec, WrapSpec, is_auto,
 )
 
-__all__ = ["EnginePlan", "plan_engine"]
+__all__ = ["EnginePlan", "check_runnable", "plan_engine"]
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -113,6 +113,19 @@ def _group(value: object, *, world: int, local: int, key: str) -> int:
         raise ConfigError(f"{key}={value!r} is {size} ranks, which does not divide the world size {world}",
                           key=key, fix=f"choose a divisor of {world}, or launch a multiple of {size} ranks")
     return size
+
+
+def check_runnable(spec: StrategySpec, *, world_size: int | None = None, local_world_size: int | None = None) -> None:
+    """The checks that need no model: ``ConfigError`` if the engine cannot run ``spec``
+    on ``world_size`` ranks (``None``: not known yet)."""
+    _refuse_unsupported(spec)
+    if world_size is not None:
+        local = local_world_size or world_size
+        if spec.sharding.optimizer_state:
+            _group(spec.sharding.shard_group, world=world_size, local=local, key="sharding.shard_group")
+        if spec.sharding.backward_gather_group is not None:
+            _group(spec.sharding.backward_gather_group, world=world_size, local=local,
+                   key="sharding.backward_gather_group")
 
 
 def _refuse_unsupported(spec: StrategySpec) -> None:

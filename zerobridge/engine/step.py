@@ -62,7 +62,7 @@ class StepControl:
         return self.trainable[0].full.device if self.trainable else torch.device("cpu")
 
     def finalize(self) -> bool:
-        """Unscale, check for overflow, clip if the spec says (once per boundary).
+        """Unscale and check for overflow (once per boundary).
         Returns whether there are gradients to step on."""
         if not self.awaiting:
             return False
@@ -81,8 +81,6 @@ class StepControl:
             self.skip = bool(local.item())
             self.scaler.update(found_inf=self.skip)
             self.skipped_steps += int(self.skip)
-        if self.plan.clip_grad_norm is not None and not self.skip:
-            self.clip_grad_norm(self.plan.clip_grad_norm)
         return True
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -112,6 +110,8 @@ class StepControl:
         """Optimizer pre-step hook; returns the gradients it hid to skip the step."""
         self.optimizers.add(optimizer)
         if self.finalize() and not self.skip:
+            if self.plan.clip_grad_norm is not None:  # the spec's clipping, at step time as DeepSpeed does
+                self.clip_grad_norm(self.plan.clip_grad_norm)
             return []
         hidden: Hidden = []
         for group in optimizer.param_groups:

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 from zerobridge.models.data import SyntheticTokens, shard
-from zerobridge.models.tiny_gpt import PRESETS, Block, GPTConfig, TinyGPT, count_params, preset_table, tiny_gpt
+from zerobridge.models.tiny_gpt import (
+    PRESETS, Block, GPTConfig, TinyGPT, count_params, no_weight_decay, preset_table, tiny_gpt,
+)
 
-__all__ = ["PRESETS", "Block", "GPTConfig", "SyntheticTokens", "TinyGPT", "count_params", "preset_table", "shard",
+__all__ = ["PRESETS", "Block", "GPTConfig", "SyntheticTokens", "TinyGPT", "count_params", "no_weight_decay", "preset_table", "shard",
            "tiny_gpt"]

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "TinyGPT", "count_params",
+__all__ = ["no_weight_decay", "PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "TinyGPT", "count_params",
            "preset_table", "tiny_gpt"]
 
 INIT_STD = 0.02
@@ -233,3 +233,11 @@ def tiny_gpt(preset: str = "tiny", *, seed: int = 0, **overrides: Any) -> TinyGP
         raise ValueError(f"bad override for preset {preset!r} ({exc}); GPTConfig fields: {fields}") from None
     return TinyGPT(config, seed=seed, device=device)
 
+
+
+def no_weight_decay(name: str) -> bool:
+    """Whether a parameter of ``TinyGPT`` (by its name) is a bias or a LayerNorm
+    weight: the usual group trained without weight decay. Names survive
+    sharding, so this works on a prepared model too."""
+    parts = name.split(".")
+    return parts[-1] == "bias" or (len(parts) > 1 and parts[-2].startswith("ln"))

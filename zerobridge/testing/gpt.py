@@ -17,14 +17,18 @@ import torch
 import torch.distributed as dist
 
 from zerobridge.models.data import SyntheticTokens, shard
-from zerobridge.models.tiny_gpt import tiny_gpt
-from zerobridge.testing.parity import RunResult, param_groups, run_device
+from zerobridge.models.tiny_gpt import no_weight_decay, tiny_gpt
+from zerobridge.testing.parity import RunResult, run_device
 
 __all__ = ["reference_gpt", "train_gpt"]
 
 
 def _optimizer(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(named, 0.1), lr=3e-3)
+    """AdamW as ``examples/train_gpt.py`` builds it."""
+    decay = [p for n, p in named if not no_weight_decay(n)]
+    plain = [p for n, p in named if no_weight_decay(n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+                             lr=3e-3)
 
 
 def reference_gpt(*, steps: int = 5, preset: str = "tiny", global_batch: int = 8, seq_len: int = 16,

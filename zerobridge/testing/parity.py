@@ -109,6 +109,8 @@ class RunResult:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: list[dict[str, Any]] = field(default_factory=list)
     summary: str = ""
+    names: list[str] = field(default_factory=list)
+    """``named_parameters()`` and ``state_dict()`` keys of the prepared model."""
 
 
 def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: int = 8, accumulation: int = 1,
@@ -169,7 +171,8 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     else:
         model = zerobridge.prepare(model, config=spec)  # config=None: ZEROBRIDGE_CONFIG decides
         opt = make_optimizer(list(model.named_parameters()), optimizer)
-    result = RunResult(summary=model.zerobridge_engine.plan.spec.summary())  # type: ignore[operator]
+    result = RunResult(summary=model.zerobridge_engine.plan.spec.summary(),  # type: ignore[union-attr]
+                       names=[n for n, _ in model.named_parameters(remove_duplicate=False)] + list(model.state_dict()))
     per_rank = global_batch // accumulation // world
     for step in range(steps):
         zerobridge.reset_stats(model)

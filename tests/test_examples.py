@@ -1,0 +1,50 @@
+"""examples/train_gpt.py launched by `zerobridge run` trains like one process.
+
+The script names no strategy; `zerobridge run --stage/--strategy` chooses it
+through ZEROBRIDGE_CONFIG. Judged by the JSON lines rank 0 writes, not by the
+launcher's exit code alone (gloo can abort at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerobridge.testing.gpt import reference_gpt
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(tmp_path: Path, *choice: str, steps: int = 3) -> list[dict[str, object]]:
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "zerobridge.cli", "run", "--nproc", "2", "--standalone", *choice,
+           str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps), "--log-file", str(log)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert log.exists(), done.stdout + done.stderr
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("choice", [("--stage", "3"), ("--strategy", "fsdp:SHARD_GRAD_OP")])
+def test_example_under_zerobridge_run_matches_one_process(tmp_path: Path, choice: tuple[str, str]) -> None:
+    records = launch(tmp_path, *choice)
+    reference = reference_gpt(steps=3)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record, loss, norm in zip(records, reference.losses, reference.grad_norms):
+        assert abs(float(record["loss"]) - loss) <= 1e-5 * loss  # type: ignore[arg-type]
+        assert abs(float(record["grad_norm"]) - norm) <= 1e-5 * norm  # type: ignore[arg-type]
+    assert str(records[0]["strategy"]).startswith("stage 3")
+
+
+def test_run_refuses_what_the_engine_cannot_do_before_launching(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "zerobridge.cli", "run", "--nproc", "2", "--strategy", "zero3-offload",
+           str(ROOT / "examples" / "train_gpt.py")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "offload.optimizer.device" in done.stderr and "fix:" in done.stderr
+    assert "Traceback" not in done.stderr
