@@ -53,6 +53,7 @@ def assert_parity(results: list[RunResult], ref: RunResult, *, rtol: float = LOS
         assert abs(a - b) <= rtol * abs(b), f"loss at step {step}: {a} vs reference {b}"
     for step, (a, b) in enumerate(zip(got.grad_norms, ref.grad_norms)):
         assert abs(a - b) <= rtol * abs(b), f"grad norm at step {step}: {a} vs reference {b}"
+    assert abs(got.eval_loss - ref.eval_loss) <= rtol * abs(ref.eval_loss), "forward under no_grad after training"
     assert set(got.state) == set(ref.state)
     for name, value in ref.state.items():
         assert got.state[name].shape == value.shape, name

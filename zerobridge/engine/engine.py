@@ -98,6 +98,7 @@ class Engine:
         self.replicated: list[FlatGroup] = []
         self._build_groups(refs, owner)
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
+        self.unit_of = {id(g): u for u in self.units for g in u.groups}
         self.trainable = [g for g in self.groups if g.plan.trainable]
         self.param_ids = {id(p) for g in self.groups for p in g.params}
         self.stepping = StepControl(plan, mesh, self.stats, self.trainable)
@@ -320,7 +321,7 @@ class Engine:
                 self._launch_ready()
         else:
             group.accumulate_local(b)
-        unit = next((u for u in self.units if group in u.groups), None)
+        unit = self.unit_of.get(id(group))
         if unit is None:
             return
         unit.fired += 1

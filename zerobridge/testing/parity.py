@@ -109,6 +109,8 @@ class RunResult:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: list[dict[str, Any]] = field(default_factory=list)
     summary: str = ""
+    eval_loss: float = 0.0
+    """Loss on a held-out batch under ``torch.no_grad()`` after training."""
     names: list[str] = field(default_factory=list)
     """``named_parameters()`` and ``state_dict()`` keys of the prepared model."""
 
@@ -137,6 +139,8 @@ def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: in
         opt.zero_grad()
         result.losses.append(total)
         result.grad_norms.append(norm.item())
+    with torch.no_grad():
+        result.eval_loss = model(*batch(10_000, 0, global_batch)).item()
     result.state = {k: v.clone() for k, v in model.state_dict().items()}
     return result
 
@@ -196,6 +200,12 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         dist.all_reduce(total)
         result.losses.append(total.item() / world)
         result.grad_norms.append(norm.item())
+    with torch.no_grad():
+        tokens, targets = (t.to(device) for t in batch(10_000, 0, global_batch))
+        mine = slice(rank * (global_batch // world), (rank + 1) * (global_batch // world))
+        held_out = model(tokens[mine], targets[mine]).float().reshape(1)
+        dist.all_reduce(held_out)
+        result.eval_loss = held_out.item() / world
     if collect_state:
         result.state = {k: v.cpu() for k, v in zerobridge.full_state_dict(model).items()}
     return result
