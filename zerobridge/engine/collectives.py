@@ -81,20 +81,27 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full: torch.Tensor,
+          group: dist.ProcessGroup | None, stats: CommStats, async_op: bool) -> Pending:
+    """One flat single-tensor collective; ``full`` is the buffer the volume counts."""
+    size = _size(group)
+    if size == 1:
+        if source.data_ptr() != output.data_ptr():
+            output.copy_(source)
+        return DONE
+    stats.record(kind, full.numel() * full.element_size(), group_size=size)
+    issue = dist.all_gather_single if kind == "all_gather" else dist.reduce_scatter_single
+    work = issue(output, source, group=group, async_op=async_op)
+    return work if async_op else DONE
+
+
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None,
                stats: CommStats, *, async_op: bool = False) -> Pending:
     """Gather equal ``shard``s of every rank into ``output`` (rank-major).
 
     ``shard`` may be this rank's slice of ``output`` (an in-place gather).
     """
-    size = _size(group)
-    if size == 1:
-        if shard.data_ptr() != output.data_ptr():
-            output.copy_(shard)
-        return DONE
-    stats.record("all_gather", output.numel() * output.element_size(), group_size=size)
-    work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
-    return work if async_op else DONE
+    return _flat("all_gather", output, shard, output, group, stats, async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None,
@@ -103,14 +110,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
 
     ``output`` may alias this rank's slice of ``full`` (an in-place reduce).
     """
-    size = _size(group)
-    if size == 1:
-        if full.data_ptr() != output.data_ptr():
-            output.copy_(full)
-        return DONE
-    stats.record("reduce_scatter", full.numel() * full.element_size(), group_size=size)
-    work = dist.reduce_scatter_single(output, full, group=group, async_op=async_op)
-    return work if async_op else DONE
+    return _flat("reduce_scatter", output, full, full, group, stats, async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats, *,

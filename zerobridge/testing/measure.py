@@ -60,10 +60,17 @@ def collective_counts(*, stage: int | None = None, spec: Any = None, steps: int 
     """Collectives of the last of ``steps`` training steps of ``ParityNet``."""
     from zerobridge.testing import parity
 
+    last: dict[str, int] = {}
+
+    def mark(step: int) -> None:
+        if step == steps:
+            last.update(counts)
+        counts.clear()
+
     with counting_collectives() as counts:
-        parity.run_native(stage=stage, spec=spec, steps=steps, optimizer="adamw",
-                          on_step=lambda step: counts.clear(), collect_state=False)
-    return dict(counts)
+        parity.run_native(stage=stage, spec=spec, steps=steps, optimizer="adamw", on_step=mark,
+                          collect_state=False)
+    return last
 
 
 def formula_bytes(*, stage: int, params: int, shards: int, mixed: bool) -> float:

@@ -148,7 +148,7 @@ def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: in
 def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, optimizer: str = "adamw",
                global_batch: int = 8, accumulation: int = 1, accumulation_mode: str = "spec",
                clip: float | None = 1.0, seed: int = 0, prepare_optimizer: bool = False,
-               on_step: Callable[[int], None] | None = None, collect_state: bool = True,
+               on_step: Callable[[int], None] | None = None, collect_state: bool = True,  # on_step(steps): done
                from_env: bool = False) -> RunResult:
     """On every rank: the same training under ZeRO ``stage`` or ``spec``.
 
@@ -200,6 +200,8 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         dist.all_reduce(total)
         result.losses.append(total.item() / world)
         result.grad_norms.append(norm.item())
+    if on_step is not None:
+        on_step(steps)  # the end of training
     with torch.no_grad():
         tokens, targets = (t.to(device) for t in batch(10_000, 0, global_batch))
         mine = slice(rank * (global_batch // world), (rank + 1) * (global_batch // world))
