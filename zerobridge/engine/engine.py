@@ -53,6 +53,8 @@ from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
 
 __all__ = ["Engine", "Unit"]
 
+MAX_INFLIGHT_REDUCTIONS = 2
+
 
 @dataclass(eq=False)
 class Unit:
@@ -340,13 +342,21 @@ class Engine:
                 return
             self.pending.append(group.reduce(b, self.plan.gradient_divisor))
             self.cursor += 1
+            # At most two reductions in flight (the order is the same on every rank):
+            # a bucket's full gradient is freed once its reduction has landed.
+            while len(self.pending) > MAX_INFLIGHT_REDUCTIONS:
+                self._land(self.pending.pop(0))
+
+    @staticmethod
+    def _land(reduction: Reduction) -> None:
+        reduction.work.wait()
+        reduction.finish()
 
     def _end_of_backward(self) -> None:
         if self.reduce_now:
             self._launch_ready(flush=True)
         for reduction in self.pending:
-            reduction.work.wait()
-            reduction.finish()
+            self._land(reduction)
         self.pending.clear()
         for unit in self.units:
             for group in unit.groups:
