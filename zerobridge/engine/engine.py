@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats
-from zerobridge.engine.flat_group import FlatGroup, GroupPlan, ParamRef, Reduction
+from zerobridge.engine.flat_group import FlatGroup, GatherState, GroupPlan, ParamRef, Reduction
 from zerobridge.engine.layout import plan_layout
 from zerobridge.engine.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
@@ -251,24 +251,29 @@ class Engine:
         if unit not in order:
             return
         budget = self.plan.prefetch_bucket
+        if budget == 0:  # DeepSpeed: a prefetch bucket of 0 turns prefetching off
+            return
         live_cap = self.plan.max_live_parameters
-        inflight = self.plan.max_inflight_gathers
+        inflight_cap = self.plan.max_inflight_gathers
         live = sum(g.gathered_numel for g in self.groups)
+        inflight = sum(1 for u in self.units if any(g.state is GatherState.GATHERING for g in u.groups))
         issued = 0
-        for nxt in order[order.index(unit) + 1:]:
+        start = order.index(unit) + 1
+        for nxt in order[start:start + 1] if budget is None else order[start:]:
             numel = nxt.numel
             if issued and budget is not None and issued + numel > budget:
                 break
             if live_cap is not None and live + numel > live_cap:
                 break
-            if inflight is not None and issued >= inflight:
+            if inflight_cap is not None and inflight >= inflight_cap:
                 break
+            if all(g.state is not GatherState.SHARDED for g in nxt.groups):
+                continue  # already gathered or on its way
+            inflight += 1
             for group in nxt.groups:
                 group.unshard(backward=backward)
             issued += numel
             live += numel
-            if budget is None:
-                break
 
     # ------------------------------------------------------------------ backward
 

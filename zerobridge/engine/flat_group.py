@@ -204,6 +204,8 @@ class FlatGroup:
 
     def reshard(self, *, keep_secondary: bool) -> None:
         """Free ``full`` (sharded groups); with hpZ keep the secondary shard."""
+        if not keep_secondary:
+            self.secondary = None
         if not self.plan.sharding.sharded_at_rest or self.layout.shards == 1:
             return
         self.wait_unshard()

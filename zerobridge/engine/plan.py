@@ -52,6 +52,7 @@ class EnginePlan:
     """Gradient elements per bucket of the replicated group (``None``: one bucket)."""
     allgather_bucket: int | None
     prefetch_bucket: int | None
+    """Most elements gathered ahead of use (0: no prefetch; ``None``: one unit)."""
     persistence_threshold: int
     model_persistence_threshold: int | None
     overlap_reduce: bool
@@ -181,7 +182,8 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
         buffer_dtype=TORCH_DTYPES[precision.buffer_dtype] if precision.buffer_dtype else None,
         reduce_bucket=_auto_size(comm.reduce_bucket, "communication.reduce_bucket", model, "hidden^2", 1.0),
         allgather_bucket=_auto_size(comm.allgather_bucket, "communication.allgather_bucket", model, "hidden^2", 1.0),
-        prefetch_bucket=_auto_size(comm.prefetch_bucket, "communication.prefetch_bucket", model, "0.9 x hidden^2", 0.9),
+        prefetch_bucket=0 if comm.prefetch_bucket == 0 else _auto_size(
+            comm.prefetch_bucket, "communication.prefetch_bucket", model, "0.9 x hidden^2", 0.9),
         persistence_threshold=_auto_size(comm.persistence_threshold, "communication.persistence_threshold", model,
                                          "10 x hidden", 10.0) or 0,
         model_persistence_threshold=comm.model_persistence_threshold,

@@ -121,14 +121,17 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2) -> dict[
         spec = spec.model_copy(update={"wrapping": EveryModuleWrap()})
     if dtype != "fp32":
         spec = spec.model_copy(update={"precision": PrecisionSpec(param_dtype=dtype, master_dtype="fp32")})
+    from zerobridge.testing.parity import run_device
+
+    device = run_device()
     baseline = live_tensor_bytes()
-    model = Wide()
+    model = Wide().to(device)
     params = sum(p.numel() for p in model.parameters())
     model = zerobridge.prepare(model, config=spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(steps):
         zerobridge.reset_stats(model)
-        x = torch.randn(8, 61, generator=torch.Generator().manual_seed(step + 100 * dist.get_rank()))
+        x = torch.randn(8, 61, generator=torch.Generator().manual_seed(step + 100 * dist.get_rank())).to(device)
         model(x).float().pow(2).mean().backward()
         optimizer.step()
         del x
