@@ -41,8 +41,8 @@ from torch.utils.checkpoint import checkpoint
 
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats
-from zerobridge.engine.flat_group import FlatGroup, GatherState, GroupPlan, ParamRef, Reduction
-from zerobridge.engine.layout import plan_layout
+from zerobridge.engine.flat_group import FlatGroup, GatherState, Reduction
+from zerobridge.engine.grouping import build_groups
 from zerobridge.engine.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.plan import EnginePlan
@@ -97,8 +97,9 @@ class Engine:
         modules = unit_modules(model, plan.wrap)
         owner = owners(model, modules, refs)
         self.units = [Unit(i, m) for i, m in enumerate(modules)]
-        self.replicated: list[FlatGroup] = []
-        self._build_groups(refs, owner)
+        per_unit, self.replicated = build_groups(refs, owner, len(self.units), plan, mesh, self.stats)
+        for unit, groups in zip(self.units, per_unit):
+            unit.groups = groups
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
         self.unit_of = {id(g): u for u in self.units for g in u.groups}
         self.trainable = [g for g in self.groups if g.plan.trainable]
@@ -134,48 +135,6 @@ class Engine:
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 collectives.broadcast(tensor.data, 0, self.mesh.control, self.stats)
-
-    def _group_plan(self, *, sharding: ParamSharding, trainable: bool) -> GroupPlan:
-        p = self.plan
-        return GroupPlan(sharding=sharding, shard_grads=p.grads_sharded, trainable=trainable,
-                         compute_dtype=p.compute_dtype, master_dtype=p.master_dtype, reduce_dtype=p.reduce_dtype,
-                         accumulate_dtype=p.accumulate_dtype,
-                         keep_secondary=p.secondary_size < p.shard_size)
-
-    def _build_groups(self, refs: list[ParamRef], owner: list[int]) -> None:
-        p, mesh = self.plan, self.mesh
-        persistent = self._persistent(refs) if p.sharding.sharded_at_rest else set(range(len(refs)))
-        for trainable in (True, False):
-            chosen = [r for i, r in enumerate(refs) if i in persistent and r.requires_grad == trainable]
-            if chosen:
-                chosen.sort(key=lambda r: -r.order)
-                shards = mesh.shard_size if trainable and p.optimizer_sharded else 1
-                layout = plan_layout([r.numel for r in chosen], shards=shards,
-                                     shard_rank=mesh.shard_rank if shards > 1 else 0,
-                                     bucket_cap=p.reduce_bucket if trainable else None)
-                plan = self._group_plan(sharding=ParamSharding.REPLICATED, trainable=trainable)
-                self.replicated.append(FlatGroup(chosen, layout, plan, mesh, self.stats))
-            for unit in self.units:
-                mine = [r for i, r in enumerate(refs) if i not in persistent and owner[i] == unit.index
-                        and r.requires_grad == trainable]
-                if not mine:
-                    continue
-                layout = plan_layout([r.numel for r in mine], shards=mesh.shard_size,
-                                     shard_rank=mesh.shard_rank, bucket_cap=None)
-                plan = self._group_plan(sharding=p.sharding, trainable=trainable)
-                unit.groups.append(FlatGroup(mine, layout, plan, mesh, self.stats))
-
-    def _persistent(self, refs: list[ParamRef]) -> set[int]:
-        p = self.plan
-        budget = p.model_persistence_threshold
-        chosen: set[int] = set()
-        used = 0
-        for i, ref in enumerate(refs):
-            numel = ref.numel
-            if numel < p.persistence_threshold and (budget is None or used + numel <= budget):
-                chosen.add(i)
-                used += numel
-        return chosen
 
     def _install_hooks(self) -> None:
         for unit in self.units:

@@ -38,31 +38,10 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats, Pending
 from zerobridge.engine.layout import BucketLayout, GroupLayout
 from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.units import ParamRef
 from zerobridge.spec import ParamSharding
 
 __all__ = ["FlatGroup", "GroupPlan", "ParamRef", "Reduction"]
-
-
-@dataclass(frozen=True)
-class ParamRef:
-    """An original parameter and every place it is registered."""
-
-    param: nn.Parameter | None
-    """The original; dropped (``None``) once its values are in a flat group."""
-    shape: torch.Size
-    requires_grad: bool
-    source_id: int
-    """``id()`` of the original parameter, to replace it in a user's optimizer."""
-    names: tuple[str, ...]
-    """Fully qualified names; more than one for tied parameters."""
-    slots: tuple[tuple[nn.Module, str], ...]
-    """(module, attribute) pairs holding it."""
-    order: int
-    """Position in registration order (first occurrence)."""
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
 
 
 @dataclass(frozen=True)

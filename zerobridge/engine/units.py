@@ -18,13 +18,37 @@ common enclosing unit, which is gathered for as long as all of them run.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
-from zerobridge.engine.flat_group import ParamRef
 from zerobridge.errors import ConfigError
 from zerobridge.spec.wrapping import EveryModuleWrap, RootWrap, SizeWrap, TransformerWrap, WrapSpec
 
-__all__ = ["collect_params", "owners", "unit_modules"]
+__all__ = ["ParamRef", "collect_params", "owners", "unit_modules"]
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """An original parameter and every place it is registered."""
+
+    param: nn.Parameter | None
+    """The original; dropped (``None``) once its values are in a flat group."""
+    shape: torch.Size
+    requires_grad: bool
+    source_id: int
+    """``id()`` of the original parameter, to replace it in a user's optimizer."""
+    names: tuple[str, ...]
+    """Fully qualified names; more than one for tied parameters."""
+    slots: tuple[tuple[nn.Module, str], ...]
+    """(module, attribute) pairs holding it."""
+    order: int
+    """Position in registration order (first occurrence)."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
 
 
 def collect_params(model: nn.Module) -> list[ParamRef]:
