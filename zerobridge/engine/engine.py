@@ -103,7 +103,6 @@ class Engine:
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
         self.unit_of = {id(g): u for u in self.units for g in u.groups}
         self.trainable = [g for g in self.groups if g.plan.trainable]
-        self.param_ids = {id(p) for g in self.groups for p in g.params}
         self.stepping = StepControl(plan, mesh, self.stats, self.trainable)
         # The reduction order every rank follows: buckets whose earliest-registered
         # parameter comes last are expected to finish first in backward.
@@ -330,8 +329,6 @@ class Engine:
             unit.fired = 0
         for group in self.replicated:
             group.restore()
-            for b in range(len(group.leaves)):
-                group.take_grad(b)
         self.micro_in_window += 1
         if self.boundary:
             self._close_window()

@@ -88,10 +88,7 @@ class FlatGroup:
         device = originals[0].device  # type: ignore[union-attr]
         n, sharded = layout.shards, plan.sharding.sharded_at_rest
         # Initialization: fill full (or shard) and master from the originals.
-        full = torch.zeros(layout.numel, dtype=plan.compute_dtype, device=device)
-        for original, offset in zip(originals, layout.offsets):
-            flat = original.detach().reshape(-1)  # type: ignore[union-attr]
-            full[offset:offset + flat.numel()].copy_(flat)
+        full = self._flatten(originals, plan.compute_dtype)
         self.shard: torch.Tensor | None = None
         if sharded:
             self.shard = torch.empty(layout.shard_numel, dtype=plan.compute_dtype, device=device)
@@ -101,11 +98,7 @@ class FlatGroup:
         self.master: torch.Tensor | None = None
         if plan.master_dtype != plan.compute_dtype:
             self.master = torch.zeros(layout.shard_numel, dtype=plan.master_dtype, device=device)
-            staged = torch.zeros(layout.numel, dtype=plan.master_dtype, device=device)
-            for original, offset in zip(originals, layout.offsets):
-                flat = original.detach().reshape(-1)  # type: ignore[union-attr]
-                staged[offset:offset + flat.numel()].copy_(flat)
-            self._copy_pieces(staged, self.master)
+            self._copy_pieces(self._flatten(originals, plan.master_dtype), self.master)
         self.params = [self._sharded_param(i) for i in range(len(refs))]
         self.state = GatherState.UNSHARDED
         self._gather: Pending | None = None
@@ -122,11 +115,17 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ layout helpers
 
+    def _flatten(self, originals: list[nn.Parameter | None], dtype: torch.dtype) -> torch.Tensor:
+        """The originals laid out in the full flat layout (padding zero) in ``dtype``."""
+        full = torch.zeros(self.layout.numel, dtype=dtype, device=originals[0].device)  # type: ignore[union-attr]
+        for original, offset in zip(originals, self.layout.offsets):
+            flat = original.detach().reshape(-1)  # type: ignore[union-attr]
+            full[offset:offset + flat.numel()].copy_(flat)
+        return full
+
     def _copy_pieces(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        r = self.layout.shard_rank
         for b in self.layout.buckets:
-            shard[b.shard_offset:b.shard_offset + b.piece].copy_(
-                full[b.offset + r * b.piece:b.offset + (r + 1) * b.piece])
+            shard[b.in_shard].copy_(full[b.piece_of(self.layout.shard_rank)])
 
     def _leaf(self, bucket: BucketLayout) -> torch.Tensor:
         leaf = torch.empty(0, dtype=self.plan.compute_dtype, device=self.full.device)
@@ -144,12 +143,9 @@ class FlatGroup:
             return self.shard[piece.shard_start:piece.shard_stop]
         return self.full[piece.full_start:piece.full_start + piece.numel]
 
-    def _whole(self, i: int) -> bool:
-        return self.layout.shards == 1
-
     def _sharded_param(self, i: int) -> nn.Parameter:
         view = self.master_view(i)
-        if self._whole(i):
+        if self.layout.shards == 1:  # the whole parameter: keep its shape
             view = view.view(self.refs[i].shape)
         return nn.Parameter(view, requires_grad=self.plan.trainable)
 
@@ -265,15 +261,14 @@ class FlatGroup:
         grad = self.take_grad(b)
         if grad is None:
             return
-        bucket = self.layout.buckets[b]
-        self._accumulator()[bucket.offset:bucket.offset + bucket.numel].add_(grad)
+        self._accumulator()[self.layout.buckets[b].region].add_(grad)
         self.accumulated[b] = True
 
     def reduce(self, b: int, divisor: float) -> Reduction:
         """Issue the reduction of bucket ``b`` (this micro-step's and accumulated gradients)."""
         bucket, plan, mesh = self.layout.buckets[b], self.plan, self.mesh
         grad = self.take_grad(b)
-        region = slice(bucket.offset, bucket.offset + bucket.numel)
+        region = bucket.region
         acc = self._accumulator() if (self.accumulated[b] or self.store_is_accumulator) else None
         if acc is not None and self.store_is_accumulator:
             # Stage 0/1: the store's own bucket is the buffer reduced in place.
@@ -296,11 +291,8 @@ class FlatGroup:
         else:
             work = collectives.reduce_scatter(y, x, mesh.reduce, self.stats, async_op=True)
         across_replicas = self.layout.shards > 1
-        if plan.shard_grads:
-            dst = self.grad_store[bucket.shard_offset:bucket.shard_offset + bucket.piece]  # type: ignore[index]
-        else:
-            start = bucket.offset + r * bucket.piece
-            dst = self.grad_store[start:start + bucket.piece]  # type: ignore[index]
+        assert self.grad_store is not None
+        dst = self.grad_store[bucket.in_shard if plan.shard_grads else bucket.piece_of(r)]
         in_place = y.data_ptr() == dst.data_ptr()
 
         def finish() -> None:
@@ -354,18 +346,15 @@ class FlatGroup:
                 param.grad = None
             self.optimizer_grads = None
         if self.master is not None:
-            target = self.shard if self.shard is not None else None
             for b in self.layout.buckets:
-                src = self.master[b.shard_offset:b.shard_offset + b.piece]
-                if target is not None:
-                    target[b.shard_offset:b.shard_offset + b.piece].copy_(src)
+                if self.shard is not None:
+                    self.shard[b.in_shard].copy_(self.master[b.in_shard])
                 else:
-                    self.full[b.offset + r * b.piece:b.offset + (r + 1) * b.piece].copy_(src)
+                    self.full[b.piece_of(r)].copy_(self.master[b.in_shard])
         if self.shard is not None or self.layout.shards == 1:
             return
         for b in self.layout.buckets:
-            full = self.full[b.offset:b.offset + b.numel]
-            yield b.numel, collectives.all_gather(full, full[r * b.piece:(r + 1) * b.piece], self.mesh.gather,
+            yield b.numel, collectives.all_gather(self.full[b.region], self.full[b.piece_of(r)], self.mesh.gather,
                                                   self.stats, async_op=True)
 
     # ------------------------------------------------------------------ accounting

@@ -43,6 +43,21 @@ class BucketLayout:
         """First element of this bucket's piece in a rank's shard."""
         return self.offset // (self.numel // self.piece)
 
+    @property
+    def region(self) -> slice:
+        """The whole bucket in the group's full flat buffer."""
+        return slice(self.offset, self.offset + self.numel)
+
+    @property
+    def in_shard(self) -> slice:
+        """This bucket's piece in a rank's shard."""
+        return slice(self.shard_offset, self.shard_offset + self.piece)
+
+    def piece_of(self, rank: int) -> slice:
+        """Rank ``rank``'s piece in the full flat buffer."""
+        start = self.offset + rank * self.piece
+        return slice(start, start + self.piece)
+
 
 @dataclass(frozen=True)
 class LocalPiece:

@@ -32,7 +32,7 @@ def unshuffle(gathered: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     for b in layout.buckets:
         for r in range(layout.shards):
             src = r * layout.shard_numel + b.shard_offset
-            out[b.offset + r * b.piece:b.offset + (r + 1) * b.piece] = gathered[src:src + b.piece]
+            out[b.piece_of(r)] = gathered[src:src + b.piece]
     return out
 
 
