@@ -195,7 +195,7 @@ def solo_group() -> Iterator[None]:
 @pytest.mark.parametrize("name", [
     "zerobridge.engine.collectives", "zerobridge.engine.layout", "zerobridge.engine.units",
     "zerobridge.engine.plan", "zerobridge.engine.loss_scale", "zerobridge.engine.state", "zerobridge.engine.step",
-    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.engine", "zerobridge.api", "zerobridge.testing.measure",
+    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.engine.engine", "zerobridge.api", "zerobridge.testing.measure",
 ])
 def test_module_examples_run(name: str, solo_group: None) -> None:
     result = doctest.testmod(importlib.import_module(name))
