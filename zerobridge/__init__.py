@@ -5,8 +5,9 @@
     True
 
 The training API (``prepare``, ``clip_grad_norm_``, ``full_state_dict``,
-``stats``, ``reset_stats``) loads torch on first use, so config conversion
-stays fast.
+``stats``, ``reset_stats``) and checkpoints (``save_checkpoint``,
+``load_checkpoint``, ``save_full``) load torch on first use, so config
+conversion stays fast.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["clip_grad_norm_", "full_state_dict", "prepare", "reset_stats", "stats"]
+__all__ = ["clip_grad_norm_", "full_state_dict", "load_checkpoint", "prepare", "reset_stats", "save_checkpoint",
+           "save_full", "stats"]
+_CHECKPOINT = frozenset({"load_checkpoint", "save_checkpoint", "save_full"})
 
 
 def __getattr__(name: str) -> Any:
+    if name in _CHECKPOINT:
+        from zerobridge.checkpoint import api as checkpoint_api
+
+        return getattr(checkpoint_api, name)
     if name in __all__:
         from zerobridge import api
 

@@ -8,6 +8,8 @@
     zerobridge diff a.json b.yaml                             # same run or not, and what differs
     zerobridge strategies                                     # the registry, one line each
     zerobridge run --nproc 4 --stage 3 train.py --lr 3e-4     # torchrun, strategy in $ZEROBRIDGE_CONFIG
+    zerobridge checkpoint info ckpt/step-100                  # what a checkpoint holds; files verified
+    zerobridge checkpoint consolidate ckpt/step-100 -o model.safetensors --dtype bf16
 
 Exit codes: 0 success; 1 ``--strict`` saw an approximation, or ``diff`` found
 a difference; 2 bad input (the message names the file, key, line and fix);
@@ -78,12 +80,14 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="the built-in example: a DeepSpeed config explained and converted")
 
+    from zerobridge.checkpoint.cli import add_parser as add_checkpoint_parser
     from zerobridge.launch import add_run_arguments
 
     add_run_arguments(sub.add_parser(
         "run", allow_abbrev=False, help="launch a training script with torchrun and a chosen strategy",
         description="Run a training script under torch.distributed.run. Options before the script are "
                     "the launcher's; everything after it is passed to the script untouched."))
+    add_checkpoint_parser(sub)
     return p
 
 
@@ -202,8 +206,14 @@ def _run(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from zerobridge.checkpoint.cli import run
+
+    return run(args)
+
+
 _COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo,
-             "run": _run}
+             "run": _run, "checkpoint": _checkpoint}
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,0 +1,398 @@
+"""Read a DeepSpeed ZeRO checkpoint (stages 1-3) into a ``PortableState``.
+
+    >>> from zerobridge.checkpoint.deepspeed_import import read_deepspeed   # doctest: +SKIP
+    >>> state, report = read_deepspeed("runs/ds")   # doctest: +SKIP
+    >>> print(report.render())                      # doctest: +SKIP
+
+Parameters and their optimizer state are rebuilt from the fp32 master
+partitions and the base optimizer's per-rank state. DeepSpeed is never
+imported; nothing is unpickled but tensors, plain containers and inert
+stand-ins for the three DeepSpeed classes the files name.
+
+[Note: DeepSpeed ZeRO checkpoint layout] (DeepSpeed 0.19). ``<root>/latest``
+names the tag directory. Its model file (``mp_rank_00_model_states.pt``;
+stage 3: ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank) holds
+``module`` (stage 3: empty placeholders for parameters), ``param_shapes``
+(name -> size per flat group, in flat order), ``frozen_param_shapes`` and
+``frozen_param_fragments`` (stage 2 on; stage 1 keeps frozen weights in ``module``
+only), ``shared_params`` (tied alias -> owner), ``buffer_names``,
+``global_steps``, ``ds_config`` and the ``client_state`` keys. Each rank's
+``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds
+``optimizer_state_dict``. Stages 1-2: group g's trainable parameters lie end
+to end, each followed by ``param_alignment_paddings[g][j]`` elements, the
+whole padded to a multiple of 2 * world and cut in world equal parts;
+``single_partition_of_fp32_groups[g]`` is rank r's part minus the end
+padding; ``base_optimizer_state`` is the base optimizer's ``state_dict()``
+(one flat parameter per group, state padded) or, with
+``elastic_checkpoint``, per-group states already cut. The BF16 optimizer
+(bf16 + ZeRO-1 + fp32 gradient accumulation) writes no ``zero_stage`` and
+keeps the padding (``group_paddings``). Stage 3: ``fp32_flat_groups[k]`` is
+rank r's part of sub-group k: per parameter of ``param_shapes[k]``,
+ceil(numel / world) elements (the last ranks zero-padded); the inner
+``optimizer_state_dict`` has one flat parameter per sub-group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+from zerobridge.errors import ConfigError
+from zerobridge.translate.report import Entry, Report, Status
+
+if TYPE_CHECKING:
+    from zerobridge.checkpoint.portable import PortableState
+
+__all__ = ["read_deepspeed"]
+
+_OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_KNOWN_MODEL_KEYS = frozenset((
+    "module buffer_names optimizer param_shapes frozen_param_shapes shared_params frozen_param_fragments lr_scheduler "
+    "data_sampler random_ltd sparse_tensor_module_names skipped_steps global_steps global_samples dp_world_size "
+    "mp_world_size checkpoint_parallel_dimensions ds_config ds_version universal_checkpoint_info num_experts "
+    "ds_autoep_layers").split())
+_CONVERT_FIX = ("load it in DeepSpeed on a plain data-parallel ZeRO 1-3 run (a universal checkpoint lets the "
+                "parallelism change), save_checkpoint, and import that")
+_RESAVE_FIX = "the files come from different saves or an interrupted copy: copy the whole tag directory again"
+
+
+class _Inert:
+    """Stand-in for a pickled DeepSpeed object: keeps its plain attributes, runs nothing."""
+
+    def __setstate__(self, state: object) -> None:
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        self.__dict__.update(state)
+
+
+class _ZeroStage(int):
+    """Stand-in for ``ZeroStageEnum``: only its integer value."""
+
+
+_STAND_INS: list[Any] = [(_Inert, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+                         (_Inert, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+                         (_Inert, "deepspeed.utils.tensor_fragment.fragment_address"),
+                         (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum")]
+
+
+def _load(path: Path, key: str = "module") -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` with the stand-ins, a dict holding ``key``; refusals become ConfigError."""
+    try:
+        with torch.serialization.safe_globals(_STAND_INS):
+            value = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)|function (\S+)|but got (\S+)", str(exc))
+        name = next((g for g in found.groups() if g), "?") if found else "an object"
+        raise ConfigError(f"refuses to unpickle {name}: a DeepSpeed checkpoint holds only tensors, plain values "
+                          "and DeepSpeed's loss scaler, stage enum and fragment addresses", source=path,
+                          fix="if it came from your client_state, save again without it; otherwise the file was "
+                          "altered: restore it from a trusted copy and never load it with plain pickle") from None
+    except Exception as exc:
+        raise ConfigError(f"cannot read this file ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+                          source=path, fix="the file is damaged or not a torch.save file: re-save it") from None
+    if not isinstance(value, dict) or key not in value:
+        raise ConfigError(f"holds no {key!r}: not a DeepSpeed checkpoint file", source=path, key=key,
+                          fix="point at a checkpoint written by engine.save_checkpoint")
+    return value
+
+
+def _tag_dir(directory: Path, tag: str | None) -> tuple[Path, str]:
+    """The tag directory: ``directory/tag``, ``directory`` itself, or what ``latest`` names."""
+    if not directory.is_dir():
+        raise ConfigError("no such directory", source=directory, fix="pass the directory given to save_checkpoint")
+    tags = sorted(p.name for p in directory.iterdir() if p.is_dir() and any(p.glob("*_states.pt")))
+    hint = f"pass tag= one of {tags}" if tags else "point at the directory given to save_checkpoint"
+    if tag is None and any(directory.glob("*_states.pt")):
+        return directory, directory.name
+    named = tag is None and (directory / "latest").is_file()
+    if named:
+        tag = (directory / "latest").read_text().strip()
+    elif tag is None:
+        universal = (directory / "latest_universal").is_file()
+        raise ConfigError("a universal checkpoint (latest_universal): not supported" if universal else
+                          "no 'latest' file and no tag given", source=directory, key="tag",
+                          fix=_CONVERT_FIX if universal else hint)
+    if not (directory / str(tag)).is_dir():
+        raise ConfigError(f"no checkpoint tag {tag!r} here" + (" ('latest' names it)" if named else ""),
+                          source=directory, key="tag", fix=hint)
+    return directory / str(tag), str(tag)
+
+
+def _optim_files(tag_dir: Path) -> dict[int, Path]:
+    """The optimizer file of each data-parallel rank; refuses layouts this reader does not handle."""
+    names = sorted(p.name for p in tag_dir.iterdir())
+    for refused, what in [
+        ((tag_dir / "zero").is_dir(), "a universal checkpoint (per-parameter folders under zero/)"),
+        ((tag_dir / "offloaded_tensors").is_dir(), "optimizer state offloaded to NVMe (offloaded_tensors/)"),
+        (any(n.startswith("layer_") for n in names), "a pipeline-parallel checkpoint (layer_*-model_states.pt)"),
+        (any(m.group(1) != "00" for n in names if (m := re.search(r"mp_rank_(\d+)", n))), "a tensor-parallel checkpoint "
+         "(files with mp_rank other than 00)"),
+        (any(n.startswith("expp_rank_") or "_expert_" in n for n in names), "a mixture-of-experts checkpoint")]:
+        if refused:
+            raise ConfigError(f"{what}: not supported", source=tag_dir, fix=_CONVERT_FIX)
+    files = {int(m.group(2)): tag_dir / n for n in names if (m := _OPTIM_FILE.match(n))}
+    model = tag_dir / "mp_rank_00_model_states.pt"
+    if not files and model.is_file() and _load(model).get("optimizer") is not None:
+        _stage0(model)
+    if not files:
+        raise ConfigError("no *_optim_states.pt files: not a ZeRO checkpoint, or saved without optimizer state",
+                          source=tag_dir, fix="save with a ZeRO stage 1-3 engine that has an optimizer")
+    return files
+
+
+def _stage0(model: Path) -> NoReturn:
+    raise ConfigError("a ZeRO stage 0 checkpoint: its 'module' is already the full model state dict and "
+                      "'optimizer' the optimizer's state_dict()", source=model, key="zero_optimization.stage",
+                      fix="load both with torch.load(weights_only=True) and load_state_dict; nothing to convert")
+
+
+@dataclass
+class _Files:
+    """The loaded files of one tag."""
+
+    stage: int
+    world: int
+    optims: list[dict[str, Any]]  # each rank's optimizer_state_dict
+    optim_paths: list[Path]
+    models: list[dict[str, Any]]
+    model_paths: list[Path]
+
+
+def _open(tag_dir: Path) -> _Files:
+    """Load every rank's files, checking world size, stage and parallelism."""
+    found = _optim_files(tag_dir)
+    first = _load(found[min(found)], "optimizer_state_dict")["optimizer_state_dict"]
+    count = first.get("partition_count")
+    counts = {int(c) for c in (count if isinstance(count, list) else [count])}
+    if len(counts) != 1:
+        raise ConfigError(f"param groups partitioned over different group sizes {sorted(counts)} (expert "
+                          "parallelism)", source=found[min(found)], key="partition_count", fix=_CONVERT_FIX)
+    world = counts.pop()
+    if missing := [r for r in range(world) if r not in found]:
+        prefix = found[min(found)].name.split("zero_pp_rank_")[0]
+        raise ConfigError(f"rank file missing for data-parallel rank {missing[0]} of {world}",
+                          source=tag_dir / f"{prefix}zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt",
+                          key="partition_count", fix=_RESAVE_FIX)
+    if len(found) != world:
+        raise ConfigError(f"{len(found)} rank files but partition_count says world size {world}",
+                          source=found[max(found)], key="partition_count", fix=_RESAVE_FIX)
+    optim_paths = [found[r] for r in range(world)]
+    optims = [first] + [_load(p, "optimizer_state_dict")["optimizer_state_dict"] for p in optim_paths[1:]]
+    stage = int(first.get("zero_stage", 1))  # the BF16 optimizer (ZeRO-1) writes no zero_stage
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"unsupported ZeRO stage {stage}", source=optim_paths[0], key="zero_stage",
+                          fix="only stages 1-3 are read")
+    if any(int(o.get("zero_stage", stage)) != stage or o.get("partition_count") != count for o in optims):
+        raise ConfigError("rank files disagree on the ZeRO stage or world size", source=tag_dir, key="zero_stage",
+                          fix=_RESAVE_FIX)
+    model_paths = ([tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3
+                   else [tag_dir / "mp_rank_00_model_states.pt"])
+    if absent := [p for p in model_paths if not p.is_file()]:
+        raise ConfigError("model states file missing", source=absent[0], fix=_RESAVE_FIX)
+    models = [_load(p) for p in model_paths]
+    head = models[0]
+    if int(head.get("dp_world_size", world)) != world:
+        raise ConfigError(f"dp_world_size {head['dp_world_size']} but the optimizer files say {world}",
+                          source=model_paths[0], key="dp_world_size", fix=_RESAVE_FIX)
+    if head.get("param_shapes") is None:
+        _stage0(model_paths[0])
+    return _Files(stage, world, optims, optim_paths, models, model_paths)
+
+
+def _split_state(states: list[dict[str, Any]], lengths: list[int], source: Path, group: str,
+                 notes: list[Entry]) -> tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """One flat group's per-rank state: flat tensors cut to each rank's fp32 part, scalars checked equal."""
+    flats: dict[str, list[torch.Tensor]] = {}
+    scalars: dict[str, torch.Tensor] = {}
+    for key in states[0]:
+        values: list[Any] = [s.get(key) for s in states]
+        if all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() >= n for v, n in zip(values, lengths)):
+            flats[key] = [v[:n] for v, n in zip(values, lengths)]
+        elif all(isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.dim() == 0) for v in values):
+            tensors = [v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in values]
+            if any(not torch.equal(tensors[0], t) for t in tensors):
+                raise ConfigError(f"ranks disagree on the optimizer scalar {key!r}", source=source,
+                                  key=f"{group}.{key}", fix=_RESAVE_FIX)
+            scalars[key] = tensors[0]
+        else:
+            notes.append(Entry(f"optimizer.{group}.{key}", Status.NOT_EXPRESSIBLE,
+                               "optimizer state not shaped like the fp32 partition: dropped"))
+    return flats, scalars
+
+
+class _Builder:
+    """Collects parameters, their optimizer state and group membership."""
+
+    def __init__(self) -> None:
+        self.model: dict[str, torch.Tensor] = {}
+        self.optimizer: dict[str, dict[str, torch.Tensor]] = {}
+        self.group_of: dict[str, int] = {}
+        self.widened: list[str] = []
+        self.notes: list[Entry] = []
+
+    def add(self, name: str, shape: torch.Size, group: int, pieces: list[torch.Tensor],
+            state: dict[str, list[torch.Tensor]], scalars: dict[str, torch.Tensor]) -> None:
+        """One trainable parameter from its pieces (in rank order, padding at the end)."""
+        numel = math.prod(shape)
+        self.model[name] = torch.cat(pieces)[:numel].view(shape).clone()
+        self.optimizer[name] = {k: torch.cat(v)[:numel].view(shape).clone() for k, v in state.items()}
+        self.optimizer[name] |= {k: v.clone() for k, v in scalars.items()}
+        self.group_of[name] = group
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """A frozen parameter or buffer as saved; 16-bit floats widened to fp32."""
+        if value.dtype in (torch.bfloat16, torch.float16):
+            self.widened.append(name)
+        self.model[name] = value.float() if value.is_floating_point() else value.clone()
+
+
+def _read_stage12(build: _Builder, files: _Files) -> list[dict[str, Any]]:
+    """Stages 1-2 and the BF16 optimizer; returns the base optimizer's param groups."""
+    optims, shapes, source = files.optims, files.models[0]["param_shapes"], files.optim_paths[0]
+    base = [o["base_optimizer_state"] for o in optims]
+    elastic = isinstance(base[0], list)
+    paddings = optims[0].get("param_alignment_paddings") or [[0] * len(x) for x in shapes]
+    for g, group_shapes in enumerate(shapes):
+        parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
+        if elastic:  # a "step" kept in the param group (not torch's optimizers) is saved apart
+            steps = [{"step": o["base_optimizer_state_step"]} if "base_optimizer_state_step" in o else {}
+                     for o in optims]
+            states = [s | dict(b[g]) for s, b in zip(steps, base)]
+        else:
+            states = [b["state"].get(b["param_groups"][g]["params"][0], {}) for b in base]
+        flats, scalars = _split_state(states, [p.numel() for p in parts], source, f"group{g}", build.notes)
+        flat = torch.cat(parts)
+        flat_state = {k: torch.cat(v) for k, v in flats.items()}
+        offset = 0
+        for (name, shape), pad in zip(group_shapes.items(), paddings[g]):
+            end = offset + math.prod(shape)
+            build.add(name, shape, g, [flat[offset:end]], {k: [v[offset:end]] for k, v in flat_state.items()},
+                      scalars)
+            offset = end + pad
+        tail = 0 if "zero_stage" in optims[0] else sum(o["group_paddings"][g] for o in optims)
+        if flat.numel() - offset != tail:
+            raise ConfigError(f"param_shapes account for {offset} elements of flat group {g} but the {len(parts)} "
+                              f"fp32 partitions hold {flat.numel()} ({tail} expected as padding)", source=source,
+                              key=f"single_partition_of_fp32_groups.{g}", fix=_RESAVE_FIX)
+    return [] if elastic else [dict(g) for g in base[0]["param_groups"]]
+
+
+def _read_stage3(build: _Builder, files: _Files) -> list[dict[str, Any]]:
+    """Stage 3: each parameter is cut into ceil(numel / world) pieces, one per rank."""
+    optims, shapes, source = files.optims, files.models[0]["param_shapes"], files.optim_paths[0]
+    inner = [o["optimizer_state_dict"] for o in optims]
+    groups = [dict(g) for g in inner[0]["param_groups"]]
+    owners = [(g, idx) for g, group in enumerate(groups) for idx in group["params"]]
+    if len(owners) != len(shapes) or any(len(o["fp32_flat_groups"]) != len(shapes) for o in optims):
+        raise ConfigError(f"{len(shapes)} sub-groups in param_shapes but {len(owners)} in the optimizer state",
+                          source=source, key="fp32_flat_groups", fix=_RESAVE_FIX)
+    for k, ((g, idx), group_shapes) in enumerate(zip(owners, shapes)):
+        parts = [o["fp32_flat_groups"][k] for o in optims]
+        sizes = [math.ceil(math.prod(s) / files.world) for s in group_shapes.values()]
+        if any(p.numel() != sum(sizes) for p in parts):
+            raise ConfigError(f"sub-group {k}: param_shapes need {sum(sizes)} elements per rank, the partitions "
+                              f"hold {[p.numel() for p in parts]}", source=source, key=f"fp32_flat_groups.{k}",
+                              fix=_RESAVE_FIX)
+        states = [i["state"].get(idx, {}) for i in inner]
+        flats, scalars = _split_state(states, [p.numel() for p in parts], source, f"subgroup{k}", build.notes)
+        offset = 0
+        for (name, shape), size in zip(group_shapes.items(), sizes):
+            end = offset + size
+            build.add(name, shape, g, [p[offset:end] for p in parts],
+                      {key: [t[offset:end] for t in v] for key, v in flats.items()}, scalars)
+            offset = end
+    return groups
+
+
+def _read_frozen(build: _Builder, files: _Files) -> list[str]:
+    """Frozen parameters: fragments (stage 2 whole, stage 3 one per rank) or, at stage 1, ``module``."""
+    head = files.models[0]
+    shapes = head.get("frozen_param_shapes")
+    if shapes is None:
+        taken = set(build.group_of) | set(head["buffer_names"]) | set(head.get("shared_params") or {})
+        values = {n: v for n, v in head["module"].items() if n not in taken and v.numel() > 0}
+        if files.stage == 3 and any(n not in taken for n in head["module"]):  # exclude_frozen_parameters
+            build.notes.append(Entry("frozen_param_fragments", Status.NOT_EXPRESSIBLE, "frozen weights not saved"))
+    elif files.stage == 3:
+        values = {n: torch.cat([m["frozen_param_fragments"][n].flatten() for m in files.models])[:math.prod(s)]
+                  .view(s) for n, s in shapes.items()}
+    else:
+        values = dict(head["frozen_param_fragments"])
+    for name, value in values.items():
+        build.put(name, value)
+    return list(values)
+
+
+def read_deepspeed(directory: str | Path, tag: str | None = None) -> tuple[PortableState, Report]:
+    """The model and optimizer state of a DeepSpeed ZeRO checkpoint, whole.
+
+    ``directory`` is the ``save_checkpoint`` directory (its ``latest`` file
+    names the tag unless ``tag`` is given) or one ``global_stepN`` directory.
+    """
+    from zerobridge.checkpoint.portable import PortableState
+
+    tag_dir, tag = _tag_dir(Path(directory), tag)
+    files = _open(tag_dir)
+    head, first = files.models[0], files.optims[0]
+    build = _Builder()
+    groups = (_read_stage3 if files.stage == 3 else _read_stage12)(build, files)
+    frozen = _read_frozen(build, files)
+    buffers = [n for n in head["buffer_names"] if n in head["module"]]
+    for name in buffers:
+        build.put(name, head["module"][name])
+    shared = {a: o for a, o in (head.get("shared_params") or {}).items() if o in build.model}
+    for alias, owner in shared.items():
+        build.model[alias] = build.model[owner]
+    order = {name: i for i, name in enumerate(head["module"])}
+    num_groups = len(groups) or 1 + max(build.group_of.values(), default=-1)
+    members = [sorted((n for n, i in build.group_of.items() if i == g), key=lambda n: order.get(n, 0))
+               for g in range(num_groups)]
+    param_groups = [{k: v for k, v in (groups[g] if groups else {}).items() if k != "params"} | {"params": names}
+                    for g, names in enumerate(members)]
+    scale = getattr(first.get("loss_scaler"), "cur_scale", None)
+    metadata: dict[str, Any] = {
+        "source": "deepspeed", "zero_stage": files.stage, "world_size": files.world, "tag": tag,
+        "global_step": head.get("global_steps"), "global_samples": head.get("global_samples"),
+        "skipped_steps": head.get("skipped_steps"), "ds_version": head.get("ds_version"),
+        "loss_scale": float(scale) if isinstance(scale, (int, float)) else None,
+        "dynamic_loss_scale": bool(first.get("dynamic_loss_scale", False)),
+        "layout": "zero" if "zero_stage" in first else "bf16_optimizer",
+        "precision": "bf16" if files.optim_paths[0].name.startswith("bf16_") else  # fp16 files carry no prefix
+        "fp16" if ((head.get("ds_config") or {}).get("fp16") or {}).get("enabled") is True else "fp32",
+        "param_group_of": dict(build.group_of), "frozen": frozen, "buffers": buffers, "shared": shared,
+        "ds_config": json.loads(json.dumps(head.get("ds_config"), default=str))}
+    keys = sorted({k for s in build.optimizer.values() for k in s})
+    read = [Entry("tag", Status.EXACT, f"{tag_dir}: ZeRO-{files.stage}, world size {files.world}, read "
+                  + ", ".join(p.name for p in files.model_paths + files.optim_paths)),
+            Entry("param_shapes", Status.EXACT, f"{len(build.group_of)} trainable parameters with state {keys}, "
+                  f"{len(frozen)} frozen, {len(buffers)} buffers, {len(shared)} tied aliases")]
+    report = Report("deepspeed", "zerobridge checkpoint", read + _notes(head, first, bool(groups), build.widened)
+                    + build.notes)
+    return PortableState(model=build.model, optimizer=build.optimizer, param_groups=param_groups,
+                         metadata=metadata), report
+
+
+def _notes(head: dict[str, Any], first: dict[str, Any], has_groups: bool, widened: list[str]) -> list[Entry]:
+    """Report entries for what the import drops or keeps only approximately."""
+    notes = [Entry(key, Status.NOT_EXPRESSIBLE, f"{key} state dropped: rebuild it and fast-forward it to "
+                   f"global_step {head.get('global_steps')}")
+             for key in ("lr_scheduler", "data_sampler", "random_ltd") if head.get(key) is not None]
+    notes += [Entry(f"client_state.{key}", Status.NOT_EXPRESSIBLE, "client_state entry dropped")
+              for key in sorted(set(head) - _KNOWN_MODEL_KEYS)]
+    if not has_groups:
+        notes.append(Entry("base_optimizer_state.param_groups", Status.APPROXIMATED, "elastic checkpoint: the "
+                           "optimizer's hyperparameters are not saved; param groups hold only their parameters"))
+    if getattr(first.get("loss_scaler"), "dynamic", False) is True:
+        notes.append(Entry("loss_scaler", Status.APPROXIMATED, "dynamic loss scaler: only the current scale is "
+                           "kept (metadata.loss_scale); its window and hysteresis counters restart"))
+    if widened:
+        notes.append(Entry("module", Status.EQUIVALENT, "frozen parameters or buffers saved in 16 bits, widened "
+                           f"to float32 (exact): {', '.join(widened)}"))
+    return notes

@@ -1,0 +1,230 @@
+"""Checkpoint files on disk: the manifest, checks before reading, atomic replacement.
+
+    >>> import tempfile, pathlib
+    >>> from zerobridge.checkpoint.storage import write_manifest, read_manifest, verify_files
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / ".metadata").write_bytes(b"0123456789")
+    >>> manifest = write_manifest(d, {"world_size": 1})
+    >>> manifest["files"][".metadata"]["size"]
+    10
+    >>> _ = (d / ".metadata").write_bytes(b"01234")
+    >>> try:
+    ...     verify_files(d, read_manifest(d))
+    ... except ValueError as exc:
+    ...     print(str(exc).splitlines()[0].split(": ", 1)[1])
+    is 5 bytes but zerobridge.json says 10: the file was truncated
+
+A save writes into a sibling directory ``.<name>.saving``, fsyncs every
+file, writes ``zerobridge.json`` (size and sha256 of every file) last, then
+swaps the directory into place: ``renameat2(RENAME_EXCHANGE)`` where Linux
+offers it, else old aside (``.<name>.old``), new in, old deleted. A kill at
+any point leaves either the previous checkpoint or the new one under the
+name; ``recover`` (run by every load and ``checkpoint info``) puts an aside
+copy back when a kill landed between the two renames.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from zerobridge.errors import ConfigError
+
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "aside_dir", "atomic_write_file", "checkpoint_kind",
+           "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files", "write_manifest"]
+
+MANIFEST = "zerobridge.json"
+FORMAT = "zerobridge-checkpoint"
+VERSION = 1
+METADATA_FILE = ".metadata"
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or read as asked: names the file, the key and the fix."""
+
+
+def saving_dir(path: Path) -> Path:
+    """Where a save writes before the swap."""
+    return path.parent / f".{path.name}.saving"
+
+
+def aside_dir(path: Path) -> Path:
+    """Where the previous checkpoint waits during a swap without RENAME_EXCHANGE."""
+    return path.parent / f".{path.name}.old"
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    with path.open("rb") as fh:
+        while block := fh.read(_CHUNK):
+            sha.update(block)
+            size += len(block)
+    return size, sha.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, saved: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file of ``directory`` and write ``zerobridge.json`` (fsynced), last."""
+    files = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.name == MANIFEST or not entry.is_file():
+            continue
+        size, sha = _digest(entry)
+        files[entry.name] = {"size": size, "sha256": sha}
+    manifest = {"format": FORMAT, "version": VERSION, "saved": saved, "files": files}
+    target = directory / MANIFEST
+    with target.open("w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_path(directory)
+    return manifest
+
+
+def checkpoint_kind(path: Path) -> str:
+    """``"zerobridge"`` (a manifest), ``"dcp"`` (DCP metadata only, e.g. written by FSDP2), or a clear error."""
+    if not path.exists():
+        raise CheckpointError("no such checkpoint", source=path,
+                              fix="check the path; a save writes a directory there")
+    if not path.is_dir():
+        raise CheckpointError("is a file, not a checkpoint directory", source=path,
+                              fix="pass the directory zerobridge.save_checkpoint or dcp.save wrote")
+    if (path / MANIFEST).is_file():
+        return "zerobridge"
+    if (path / METADATA_FILE).is_file():
+        return "dcp"
+    raise CheckpointError(f"holds neither {MANIFEST} nor {METADATA_FILE}: not a checkpoint (or a save never "
+                          "finished)", source=path, fix="pass a directory written by zerobridge.save_checkpoint or "
+                          "torch.distributed.checkpoint.save")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, checked for shape."""
+    source = path / MANIFEST
+    try:
+        manifest = json.loads(source.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError("is missing", source=source, fix="pass a directory zerobridge.save_checkpoint "
+                              "wrote, or restore the file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"is not valid JSON ({exc})", source=source,
+                              fix="the manifest was altered or truncated: restore the checkpoint from a good copy"
+                              ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"is not a zerobridge manifest (format {FORMAT!r} expected)", source=source,
+                              key="format", fix="restore the checkpoint from a good copy")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"has version {manifest.get('version')!r}; this zerobridge reads {VERSION}",
+                              source=source, key="version", fix="read it with the zerobridge that wrote it")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or METADATA_FILE not in files or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()):
+        raise CheckpointError(f"must list every file with size and sha256, {METADATA_FILE} included",
+                              source=source, key="files", fix="restore the checkpoint from a good copy")
+    for name in files:
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise CheckpointError(f"names {name!r}, which is not a file of this directory", source=source,
+                                  key="files", fix="restore the checkpoint from a good copy")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict[str, Any], names: Iterable[str] | None = None) -> None:
+    """Check size and sha256 of ``names`` (default: every listed file) before anything is read."""
+    files = manifest["files"]
+    for name in sorted(files if names is None else names):
+        expected = files[name]
+        target = path / name
+        if not target.is_file():
+            raise CheckpointError(f"is missing; {MANIFEST} lists it ({expected['size']} bytes)", source=target,
+                                  fix="restore the whole checkpoint directory from a good copy")
+        size = target.stat().st_size
+        if size != expected["size"]:
+            cause = "truncated" if size < expected["size"] else "extended"
+            raise CheckpointError(f"is {size} bytes but {MANIFEST} says {expected['size']}: the file was {cause}",
+                                  source=target, fix="restore the checkpoint from a good copy (an interrupted copy "
+                                  "or a full disk does this)")
+        _, sha = _digest(target)
+        if sha != expected["sha256"]:
+            raise CheckpointError(f"has sha256 {sha[:16]}... but {MANIFEST} says {expected['sha256'][:16]}...: "
+                                  "the content was altered or corrupted", source=target,
+                                  fix="restore the checkpoint from a good copy")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically; False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def swap_into_place(staged: Path, path: Path) -> None:
+    """Make ``staged`` (complete, manifest written) the checkpoint at ``path``."""
+    if not path.exists():
+        os.rename(staged, path)
+    elif _exchange(staged, path):
+        shutil.rmtree(staged)  # now the previous checkpoint
+    else:
+        aside = aside_dir(path)
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(path, aside)
+        os.rename(staged, path)
+        shutil.rmtree(aside)
+    _fsync_path(path.parent)
+
+
+def recover(path: Path) -> str | None:
+    """Finish or undo a swap a kill interrupted; returns what was done, if anything."""
+    aside = aside_dir(path)
+    if not aside.exists():
+        return None
+    if path.exists():  # killed after the new checkpoint went in: the aside copy is stale
+        shutil.rmtree(aside, ignore_errors=True)
+        return f"removed {aside.name}, left by an interrupted save"
+    try:
+        os.rename(aside, path)  # killed between the renames: the previous checkpoint comes back
+    except FileNotFoundError:  # another process recovered it first
+        return None
+    _fsync_path(path.parent)
+    return f"restored the previous checkpoint from {aside.name} (a save was interrupted)"
+
+
+def atomic_write_file(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into a sibling temporary file, fsync, rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.saving"
+    try:
+        write(tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_path(path.parent)

@@ -1,0 +1,194 @@
+"""Writing a checkpoint: a DCP save plan of boxes that are read only when written.
+
+    >>> import tempfile, pathlib, torch
+    >>> from zerobridge.checkpoint.layout import whole
+    >>> from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
+    >>> w = torch.arange(6.0).reshape(2, 3)
+    >>> write_checkpoint(path, [Piece("model.w", whole((2, 3)), (2, 3), torch.float32, lambda: w)],
+    ...                  [Blob("zerobridge.layout", {"world_size": 1})], saved={"world_size": 1}, distributed=False)
+    >>> sorted(p.name for p in path.iterdir())
+    ['.metadata', '__0_0.distcp', 'zerobridge.json']
+
+A ``Piece`` is one box of one key with a function that produces its values;
+DCP calls ``resolve_data`` item by item while it writes, so a rank holds one
+run's values at a time (state kept in files is read there, not before).
+Every rank writes its own ``__<rank>_0.distcp``; rank 0 writes ``.metadata``,
+then the manifest, then swaps the directory into place (``storage.py``).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from zerobridge.checkpoint.layout import Box, key_path
+from zerobridge.checkpoint.storage import CheckpointError, recover, saving_dir, swap_into_place, write_manifest
+
+__all__ = ["Blob", "Piece", "RunCache", "write_checkpoint"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One box of one tensor key, produced on demand (``fetch`` returns ``box.sizes`` values)."""
+
+    key: str
+    box: Box
+    shape: tuple[int, ...]
+    """The whole tensor's shape."""
+    dtype: torch.dtype
+    fetch: Callable[[], torch.Tensor]
+    fqn: str | None = None
+    """The parameter name inside an ``optim.state`` key (it may hold dots)."""
+
+    @property
+    def whole(self) -> bool:
+        return self.box.sizes == self.shape
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A plain value (numbers, strings, lists, tuples, dicts, tensors), stored with ``torch.save``."""
+
+    key: str
+    value: Any
+
+
+class RunCache:
+    """Keeps the last value loaded, so the boxes of one run read it once."""
+
+    def __init__(self) -> None:
+        self._tag: object = None
+        self._value: Any = None
+
+    def get(self, tag: object, load: Callable[[], Any]) -> Any:
+        if self._tag != tag:
+            self._tag, self._value = None, None  # drop the previous run before reading the next
+            self._value, self._tag = load(), tag
+        return self._value
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
+    return False
+
+
+class _Planner(DefaultSavePlanner):
+    """DCP's default global planning (dedup, metadata, overlap and coverage checks)
+    over items this planner makes itself."""
+
+    def __init__(self, pieces: list[Piece], blobs: list[Blob]) -> None:
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+        self.pieces = {MetadataIndex(p.key, p.box.offsets): p for p in pieces}
+        self.blobs = {MetadataIndex(b.key): b for b in blobs}
+        self.paths = {p.key: key_path(p.key, p.fqn) for p in pieces}
+        self.paths.update({b.key: key_path(b.key) for b in blobs})
+        for blob in blobs:
+            if not _plain(blob.value):
+                raise CheckpointError(f"holds a {type(blob.value).__name__}, which a checkpoint cannot store "
+                                      "as a plain value", key=blob.key,
+                                      fix="keep optimizer hyperparameters to numbers, strings, tuples and tensors")
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.mappings = self.paths
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for index, piece in self.pieces.items():
+            data = TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(piece.box.offsets),
+                                                              sizes=torch.Size(piece.box.sizes)),
+                                   properties=TensorProperties(dtype=piece.dtype), size=torch.Size(piece.shape))
+            kind = WriteItemType.TENSOR if piece.whole else WriteItemType.SHARD
+            items.append(WriteItem(index=index, type=kind, tensor_data=data))
+        items += [WriteItem(index=index, type=WriteItemType.BYTE_IO) for index in self.blobs]
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        index = MetadataIndex(write_item.index.fqn, write_item.index.offset)
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save(self.blobs[index].value, buffer)
+            buffer.seek(0)
+            return buffer
+        piece = self.pieces[index]
+        value = piece.fetch()
+        if tuple(value.shape) != piece.box.sizes:
+            raise AssertionError(f"{piece.key}: box {piece.box} got values of shape {tuple(value.shape)}")
+        return value.detach().to(device="cpu", dtype=piece.dtype)
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def agree(distributed: bool, error: BaseException | None) -> None:
+    """Raise on every rank when one failed (rank 0 finishes a save alone). Object
+    collectives, so that it works on NCCL groups too."""
+    found: list[str | None] = [None if error is None else str(error)]
+    if distributed and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, None if error is None else str(error))
+    if error is not None:
+        raise error
+    first = next((text for text in found if text is not None), None)
+    if first is not None:
+        raise CheckpointError(f"another rank failed: {first}", fix="see that rank's error")
+
+
+def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, saved: dict[str, Any],
+                     distributed: bool = True) -> None:
+    """Write a DCP checkpoint of ``pieces`` and ``blobs`` at ``path``, atomically.
+
+    Collective when ``distributed`` (every rank of the default group calls it
+    with its own pieces); ``saved`` goes into the manifest."""
+    path = Path(path).absolute()
+    staged = saving_dir(path)
+    rank = dist.get_rank() if distributed else 0
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            recover(path)
+            if staged.exists():  # a save that was killed: never complete, never the checkpoint
+                shutil.rmtree(staged)
+        except OSError as exc:
+            error = CheckpointError(f"cannot prepare the save ({exc})", source=staged,
+                                    fix="check permissions and free space")
+    agree(distributed, error)
+    writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True, thread_count=1,
+                                  overwrite=True)
+    with warnings.catch_warnings():  # no_dist: DCP warns that it saves in one process, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed)
+    _barrier(distributed)
+    if rank == 0:
+        try:
+            write_manifest(staged, saved)
+            swap_into_place(staged, path)
+        except OSError as exc:
+            error = CheckpointError(f"cannot finish the save ({exc}); the previous checkpoint is untouched",
+                                    source=path, fix="check permissions and free space, then save again")
+    agree(distributed, error)
