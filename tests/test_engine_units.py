@@ -111,8 +111,10 @@ def test_plan_resolves_groups_and_dtypes() -> None:
 @pytest.mark.parametrize(("spec", "key", "fix"), [
     (StrategySpec(sharding=ShardingSpec.for_stage(2, shard_group=3)), "sharding.shard_group", "divisor of 4"),
     (StrategySpec(sharding=ShardingSpec.for_stage(2, world_size=8)), "sharding.world_size", "launch 8 ranks"),
-    (StrategySpec(sharding=ShardingSpec.for_stage(2), offload=OffloadSpec.model_validate(
-        {"optimizer": {"device": "cpu"}})), "offload.optimizer.device", "device='none'"),
+    (StrategySpec(sharding=ShardingSpec.for_stage(3), offload=OffloadSpec.model_validate(
+        {"optimizer": {"device": "cpu", "ratio": 0.5}})), "offload.optimizer.ratio", "ratio = 1.0"),
+    (StrategySpec(sharding=ShardingSpec.for_stage(3), offload=OffloadSpec.model_validate(
+        {"parameters": {"device": "nvme", "nvme_path": "/no/such/dir"}})), "offload.parameters.nvme_path", "mkdir"),
     (StrategySpec(sharding=ShardingSpec.for_stage(2), communication={"reduce_bucket": "auto"}),
      "communication.reduce_bucket", "number of elements"),
     (StrategySpec(batch=BatchSpec(micro_batch_size=2, accumulation_steps=None, global_batch_size=4)),
@@ -195,7 +197,9 @@ def solo_group() -> Iterator[None]:
 @pytest.mark.parametrize("name", [
     "zerobridge.engine.collectives", "zerobridge.engine.layout", "zerobridge.engine.units",
     "zerobridge.engine.plan", "zerobridge.engine.loss_scale", "zerobridge.engine.state", "zerobridge.engine.step",
-    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.engine.engine", "zerobridge.api", "zerobridge.testing.measure",
+    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.engine.engine",
+    "zerobridge.engine.offload", "zerobridge.engine.swap", "zerobridge.engine.master", "zerobridge.api",
+    "zerobridge.testing.measure",
 ])
 def test_module_examples_run(name: str, solo_group: None) -> None:
     result = doctest.testmod(importlib.import_module(name))

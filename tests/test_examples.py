@@ -39,12 +39,3 @@ def test_example_under_zerobridge_run_matches_one_process(tmp_path: Path, choice
         assert abs(float(record["loss"]) - loss) <= 1e-5 * loss  # type: ignore[arg-type]
         assert abs(float(record["grad_norm"]) - norm) <= 1e-5 * norm  # type: ignore[arg-type]
     assert str(records[0]["strategy"]).startswith("stage 3")
-
-
-def test_run_refuses_what_the_engine_cannot_do_before_launching(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "zerobridge.cli", "run", "--nproc", "2", "--strategy", "zero3-offload",
-           str(ROOT / "examples" / "train_gpt.py")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 2
-    assert "offload.optimizer.device" in done.stderr and "fix:" in done.stderr
-    assert "Traceback" not in done.stderr

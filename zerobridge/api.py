@@ -194,12 +194,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
-    """This rank's resident model-state bytes, bytes per tier, and communication since the last reset."""
+    """This rank's model-state bytes and communication since the last reset.
+
+    ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (master plus optimizer
+    state): bytes in memory. ``tier_bytes``: all of them by where they live,
+    ``device`` (tier none, also on a CPU machine), ``host`` (tier cpu, and the
+    small state kept in memory by the nvme tier) and ``nvme`` (swap files).
+    """
     engine = engine_of(model)
-    memory = engine.memory()
-    total = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
-    return {**memory, "tier_bytes": {"device": total, "host": 0, "nvme": 0},
-            "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),
+    return {**engine.memory(), "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),
             "loss_scale": engine.stepping.scaler.scale, "skipped_steps": engine.stepping.skipped_steps}
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from zerobridge.engine import master
 from zerobridge.engine.flat_group import FlatGroup
 
 if TYPE_CHECKING:
@@ -75,25 +76,35 @@ def local_runs(engine: Engine) -> list[LocalRun]:
 
 
 def read_master(engine: Engine, run: LocalRun) -> torch.Tensor:
-    """The run's master values (1-D, master dtype); a copy when they live in a file."""
-    return run.group.master_view(run.index).reshape(-1)
+    """The run's master values (1-D, master dtype; a frozen run in a file gives its
+    compute dtype); a copy when they live in a file."""
+    return master.read_master(run.group, run.index)
 
 
 def write_master(engine: Engine, run: LocalRun, values: torch.Tensor) -> None:
     """Set the run's master values. Compute copies follow at ``refresh_compute``."""
-    with torch.no_grad():
-        run.group.master_view(run.index).reshape(-1).copy_(values.reshape(-1))
+    master.write_master(run.group, run.index, values)
 
 
 def read_optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, run: LocalRun) -> dict[str, Any]:
-    """The optimizer's state for the run's sharded parameter (empty before the first step)."""
+    """The optimizer's state for the run's sharded parameter (empty before the first
+    step); read from the swap file when the optimizer tier is nvme."""
+    swapper = engine.stepping.swapper
+    if swapper is not None and run.trainable:
+        return swapper.read_state(optimizer, run.param)
     return dict(optimizer.state.get(run.param, {}))
 
 
 def write_optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, run: LocalRun,
                           state: dict[str, Any]) -> None:
-    """Replace the optimizer's state for the run's sharded parameter."""
-    optimizer.state[run.param] = dict(state)
+    """Replace the optimizer's state for the run's sharded parameter (into the swap
+    file when the optimizer tier is nvme); the next step continues from it."""
+    engine.stepping.optimizers.add(optimizer)
+    swapper = engine.stepping.swapper
+    if swapper is not None and run.trainable:
+        swapper.write_state(optimizer, run.param, state)
+    else:
+        optimizer.state[run.param] = dict(state)
 
 
 def refresh_compute(engine: Engine) -> None:
@@ -101,6 +112,7 @@ def refresh_compute(engine: Engine) -> None:
     the replicated groups' full buffers by all-gather). Collective."""
     pending = []
     for group in engine.groups:
+        master.push_master(group)
         pending.extend(work for _, work in group.after_step())
     for work in pending:
         work.wait()

@@ -23,12 +23,14 @@ end      launch what never fired (unused parameters), land every reduction,
          free everything, and at an accumulation boundary agree on which
          parameters were used and hand the optimizer its gradients.
 step     global optimizer hooks: unscale and check overflow, clip when the
-         spec says, hide gradients when the step must be skipped; after the
-         step push master values into the compute parameters.
+         spec says, hide gradients when the step must be skipped (or step the
+         state tile by tile from nvme, ``swap.py``); after the step push master
+         values into the compute parameters.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,9 +47,11 @@ from zerobridge.engine.flat_group import FlatGroup, GatherState, Reduction
 from zerobridge.engine.grouping import build_groups
 from zerobridge.engine.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.offload import open_spaces
 from zerobridge.engine.plan import EnginePlan
-from zerobridge.engine.state import full_state_dict, resident_bytes
+from zerobridge.engine.state import full_state_dict, memory
 from zerobridge.engine.step import StepControl, install_optimizer_hooks
+from zerobridge.engine.swap import StateSwapper
 from zerobridge.engine.units import collect_params, owners, unit_modules
 from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
 
@@ -97,13 +101,17 @@ class Engine:
         modules = unit_modules(model, plan.wrap)
         owner = owners(model, modules, refs)
         self.units = [Unit(i, m) for i, m in enumerate(modules)]
-        per_unit, self.replicated = build_groups(refs, owner, len(self.units), plan, mesh, self.stats)
+        self.spaces = open_spaces(plan.offload, rank=mesh.rank)
+        per_unit, self.replicated = build_groups(refs, owner, len(self.units), plan, mesh, self.stats, self.spaces)
         for unit, groups in zip(self.units, per_unit):
             unit.groups = groups
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
         self.unit_of = {id(g): u for u in self.units for g in u.groups}
         self.trainable = [g for g in self.groups if g.plan.trainable]
-        self.stepping = StepControl(plan, mesh, self.stats, self.trainable)
+        swapper = None
+        if self.spaces.optimizer is not None:
+            swapper = StateSwapper(self.trainable, self.spaces.optimizer, plan.offload)
+        self.stepping = StepControl(plan, mesh, self.stats, self.trainable, swapper)
         # The reduction order every rank follows: buckets whose earliest-registered
         # parameter comes last are expected to finish first in backward.
         order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
@@ -273,8 +281,15 @@ class Engine:
                 group.install(mark_used=False)
 
     def _bucket_hook(self, group: FlatGroup, b: int) -> Any:
+        # Weak references: torch's garbage collector does not look inside a tensor's
+        # post-accumulate hooks, so a strong one would keep the engine (its memory
+        # and its swap files) alive for good.
+        engine, weak_group = weakref.ref(self), weakref.ref(group)
+
         def hook(leaf: torch.Tensor) -> None:
-            self._on_bucket_grad(group, b)
+            alive, owner = engine(), weak_group()
+            if alive is not None and owner is not None:
+                alive._on_bucket_grad(owner, b)
         return hook
 
     def _on_bucket_grad(self, group: FlatGroup, b: int) -> None:
@@ -367,9 +382,9 @@ class Engine:
         """Unsharded master values under every original name, with buffers, on every rank."""
         return full_state_dict(self.model, self.groups, self.mesh, self.stats)
 
-    def memory(self) -> dict[str, int]:
-        """Resident model-state bytes on this rank by role."""
-        return resident_bytes(self.groups, self.stepping.optimizers)
+    def memory(self) -> dict[str, Any]:
+        """Model-state bytes on this rank: resident by role, and all of it by tier."""
+        return memory(self.groups, self.stepping.optimizers, self.stepping.swapper, self.plan.offload.optimizer)
 
 
 def _checkpointed(forward: Any) -> Any:

@@ -7,13 +7,17 @@
   original name, viewing this rank's run of the *master* elements. It is what
   ``model.parameters()`` yields at rest and what the optimizer steps. With
   one shard (stage 0) it has the original shape; otherwise it is 1-D.
-- *master*: the elements the optimizer steps. When the master dtype equals
-  the compute dtype it is no copy: the sharded parameters view ``full``
-  (replicated) or ``shard`` (sharded) directly. Otherwise a separate
-  ``master`` tensor of this rank's shard.
+- *master*: the elements the optimizer steps. Usually no copy: the sharded
+  parameters view ``full`` (replicated) or ``shard`` (sharded) directly. A
+  separate ``master`` tensor of this rank's shard when the dtypes differ or
+  an offload tier moves it (``GroupPlan.separate_master``); on the nvme tier
+  no tensor: the values are in a swap file (``master_file``) and the sharded
+  parameters hold placeholders between steps.
 - *full* (1-D, padded): the whole group in the compute dtype. Replicated
   groups keep it; sharded groups allocate its storage only while gathered.
-- *shard* (1-D): this rank's pieces of ``full``; resident for sharded groups.
+- *shard* (1-D): this rank's pieces of ``full``; resident for sharded groups,
+  unless the parameter tier keeps them away (``away``: a swap file or a host
+  tensor): then it has storage only while it is being gathered.
 - *leaf*: per bucket, an autograd leaf aliasing the bucket's part of ``full``
   with its own version counter (so refilling ``full`` in backward does not
   trip autograd). Forward views of the parameters are cut from it, so its
@@ -38,6 +42,9 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats, Pending
 from zerobridge.engine.layout import BucketLayout, GroupLayout
 from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.offload import (
+    ON_DEVICE, FileRegion, Home, HostRegion, Placement, Region, Spaces, place, placeholder, release, reserve,
+)
 from zerobridge.engine.units import ParamRef
 from zerobridge.spec import ParamSharding
 
@@ -57,6 +64,13 @@ class GroupPlan:
     accumulate_dtype: torch.dtype
     keep_secondary: bool
     """hpZ: after forward keep a shard over the secondary group for backward."""
+    separate_master: bool = False
+    """The stepped elements are a copy apart from the compute parameters."""
+    master_at: Placement = ON_DEVICE
+    """Where that copy lives (trainable: the optimizer tier)."""
+    shard_at: Placement = ON_DEVICE
+    """Where the shard lives between gathers (the parameter tier; sharded groups)."""
+    pin_memory: bool = True
 
 
 class GatherState(Enum):
@@ -77,7 +91,7 @@ class FlatGroup:
     """Parameters of one wrap unit (or of the replicated part of the model)."""
 
     def __init__(self, refs: list[ParamRef], layout: GroupLayout, plan: GroupPlan, mesh: Mesh,
-                 stats: CommStats) -> None:
+                 stats: CommStats, spaces: Spaces | None = None) -> None:
         originals = [ref.param for ref in refs]
         assert all(p is not None for p in originals)
         self.refs = [dataclasses.replace(ref, param=None) for ref in refs]
@@ -90,21 +104,32 @@ class FlatGroup:
         # Initialization: fill full (or shard) and master from the originals.
         full = self._flatten(originals, plan.compute_dtype)
         self.shard: torch.Tensor | None = None
+        self.away: Region | None = None
         if sharded:
             self.shard = torch.empty(layout.shard_numel, dtype=plan.compute_dtype, device=device)
             self._copy_pieces(full, self.shard)
+            self.away = place(plan.shard_at, self.shard, spaces.parameters if spaces else None, pin=plan.pin_memory)
         self.full = self.shard if sharded and n == 1 else full
         self.leaves = [self._leaf(bucket) for bucket in layout.buckets]
         self.master: torch.Tensor | None = None
-        if plan.master_dtype != plan.compute_dtype:
-            self.master = torch.zeros(layout.shard_numel, dtype=plan.master_dtype, device=device)
-            self._copy_pieces(self._flatten(originals, plan.master_dtype), self.master)
+        self.master_file: FileRegion | None = None
+        if plan.separate_master:
+            master = torch.zeros(layout.shard_numel, dtype=plan.master_dtype, device=device)
+            self._copy_pieces(self._flatten(originals, plan.master_dtype), master)
+            space = (spaces.optimizer if plan.trainable else spaces.parameters) if spaces else None
+            region = place(plan.master_at, master, space, pin=plan.pin_memory)
+            if isinstance(region, FileRegion):
+                self.master_file = region
+            else:
+                self.master = region.tensor if isinstance(region, HostRegion) else master
         self.params = [self._sharded_param(i) for i in range(len(refs))]
         self.state = GatherState.UNSHARDED
         self._gather: Pending | None = None
         self.secondary: torch.Tensor | None = None
-        if sharded and n > 1:
+        if sharded and (n > 1 or self.away is not None):
             self._free_full()
+        if self.away is not None and self.shard is not None:
+            release(self.shard)
         # Gradient state.
         self.grad_store: torch.Tensor | None = None
         self.local_acc: torch.Tensor | None = None
@@ -112,6 +137,18 @@ class FlatGroup:
         self.accumulated = [False] * len(layout.buckets)
         self.used = torch.zeros(len(refs), dtype=torch.float32)
         self.optimizer_grads: torch.Tensor | None = None
+
+    @property
+    def master_device(self) -> torch.device:
+        """Where the optimizer sees the stepped elements (and wants their gradients)."""
+        if self.plan.separate_master and self.plan.master_at.home is not Home.DEVICE:
+            return torch.device("cpu")
+        return self.full.device
+
+    @property
+    def values_away(self) -> bool:
+        """The master values are not in memory: the sharded parameters are placeholders."""
+        return self.master_file is not None or (not self.plan.separate_master and self.away is not None)
 
     # ------------------------------------------------------------------ layout helpers
 
@@ -143,28 +180,37 @@ class FlatGroup:
             return self.shard[piece.shard_start:piece.shard_stop]
         return self.full[piece.full_start:piece.full_start + piece.numel]
 
+    def param_shape(self, i: int) -> torch.Size:
+        """Shape of sharded parameter ``i``: the original with one shard, else its run."""
+        return self.refs[i].shape if self.layout.shards == 1 else torch.Size([self.layout.pieces[i].numel])
+
+    def placeholder(self, i: int) -> torch.Tensor:
+        dtype = self.plan.master_dtype if self.plan.separate_master else self.plan.compute_dtype
+        return placeholder(self.param_shape(i), dtype, self.master_device)
+
     def _sharded_param(self, i: int) -> nn.Parameter:
-        view = self.master_view(i)
-        if self.layout.shards == 1:  # the whole parameter: keep its shape
-            view = view.view(self.refs[i].shape)
+        view = self.placeholder(i) if self.values_away else self.master_view(i).view(self.param_shape(i))
         return nn.Parameter(view, requires_grad=self.plan.trainable)
 
     # ------------------------------------------------------------------ gather / free
 
     def _free_full(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        release(self.full)
         self.state = GatherState.SHARDED
 
     def unshard(self, *, backward: bool) -> None:
         """Issue the all-gather of ``full`` (asynchronously) unless it is there."""
         if self.state is not GatherState.SHARDED:
             return
-        self.full.untyped_storage().resize_(self.layout.numel * self.full.element_size())
+        reserve(self.full)
         if backward and self.secondary is not None:
             self._gather = collectives.all_gather(self.full, self.secondary, self.mesh.secondary, self.stats,
                                                   async_op=True)
         else:
             assert self.shard is not None
+            if self.away is not None:  # read the shard in; it is let go once gathered
+                reserve(self.shard)
+                self.away.read(0, self.shard)
             self._gather = collectives.all_gather(self.full, self.shard, self.mesh.gather, self.stats,
                                                   async_op=True)
         self.state = GatherState.GATHERING
@@ -176,12 +222,14 @@ class FlatGroup:
             self._gather.wait()
             self._gather = None
             self.state = GatherState.UNSHARDED
+            if self.away is not None and self.shard is not None and self.shard is not self.full:
+                release(self.shard)
 
     def reshard(self, *, keep_secondary: bool) -> None:
         """Free ``full`` (sharded groups); with hpZ keep the secondary shard."""
         if not keep_secondary:
             self.secondary = None
-        if not self.plan.sharding.sharded_at_rest or self.layout.shards == 1:
+        if not self.plan.sharding.sharded_at_rest or (self.layout.shards == 1 and self.away is None):
             return
         self.wait_unshard()
         if self.state is not GatherState.UNSHARDED:
@@ -319,10 +367,10 @@ class FlatGroup:
 
     def attach_grads(self, used: torch.Tensor) -> None:
         """Give each sharded parameter used anywhere its gradient (in the master dtype)."""
-        cast = self.plan.accumulate_dtype != self.plan.master_dtype
+        cast = self.plan.accumulate_dtype != self.plan.master_dtype or self.master_device != self.full.device
         if cast:
             self.optimizer_grads = torch.empty(self.layout.shard_numel, dtype=self.plan.master_dtype,
-                                               device=self.full.device)
+                                               device=self.master_device)
         for i, param in enumerate(self.params):
             if not used[i]:
                 param.grad = None
@@ -336,37 +384,18 @@ class FlatGroup:
     # ------------------------------------------------------------------ after the step
 
     def after_step(self) -> Iterator[tuple[int, Pending]]:
-        """Push stepped master values into the compute parameters; replicated groups
-        then all-gather the updated pieces in place, yielding each gather in flight
-        with its element count (the caller bounds how many are in flight)."""
+        """Once the stepped values are in the compute parameters (``master.push_master``):
+        drop the optimizer's gradient copies and the hpZ shard; replicated groups
+        all-gather the updated pieces in place, yielding each gather in flight with its
+        element count (the caller bounds how many are in flight)."""
         r = self.layout.shard_rank
         self.secondary = None
         if self.optimizer_grads is not None:
             for param in self.params:
                 param.grad = None
             self.optimizer_grads = None
-        if self.master is not None:
-            for b in self.layout.buckets:
-                if self.shard is not None:
-                    self.shard[b.in_shard].copy_(self.master[b.in_shard])
-                else:
-                    self.full[b.piece_of(r)].copy_(self.master[b.in_shard])
         if self.shard is not None or self.layout.shards == 1:
             return
         for b in self.layout.buckets:
             yield b.numel, collectives.all_gather(self.full[b.region], self.full[b.piece_of(r)], self.mesh.gather,
                                                   self.stats, async_op=True)
-
-    # ------------------------------------------------------------------ accounting
-
-    def resident_bytes(self) -> dict[str, int]:
-        """Bytes this group holds at rest, by role."""
-        def size(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-        params = size(self.shard) if self.shard is not None else size(self.full)
-        params += size(self.secondary)
-        master = size(self.master)
-        grads = size(self.grad_store) + size(self.local_acc) + size(self.optimizer_grads)
-        if not self.plan.trainable:
-            return {"params": params + master, "grads": 0, "master": 0}
-        return {"params": params, "grads": grads, "master": master}

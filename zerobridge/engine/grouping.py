@@ -16,6 +16,7 @@ from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.flat_group import FlatGroup, GroupPlan
 from zerobridge.engine.layout import plan_layout
 from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.offload import ON_DEVICE, Home, Spaces
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.units import ParamRef
 from zerobridge.spec import ParamSharding
@@ -36,14 +37,28 @@ def persistent_params(numels: list[int], *, threshold: int, budget: int | None) 
 
 
 def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -> GroupPlan:
+    """The group's row; where its tensors live follows the offload tiers. A trainable
+    group's master is a separate copy in the optimizer tier when the dtypes differ,
+    when its shard is offloaded (the step then never needs the shard in memory) or
+    when that tier is host memory apart from the device; a frozen group's master
+    (mixed precision only) lives where its shard does."""
+    offload = plan.offload
+    shard_at = offload.parameters if sharding.sharded_at_rest else ON_DEVICE
+    mixed = plan.master_dtype != plan.compute_dtype
+    if trainable:
+        master_at = offload.optimizer
+        separate = mixed or shard_at.home is not Home.DEVICE or master_at.home is Home.HOST
+    else:
+        master_at, separate = shard_at, mixed
     return GroupPlan(sharding=sharding, shard_grads=plan.grads_sharded, trainable=trainable,
                      compute_dtype=plan.compute_dtype, master_dtype=plan.master_dtype,
                      reduce_dtype=plan.reduce_dtype, accumulate_dtype=plan.accumulate_dtype,
-                     keep_secondary=plan.secondary_size < plan.shard_size)
+                     keep_secondary=plan.secondary_size < plan.shard_size, separate_master=separate,
+                     master_at=master_at, shard_at=shard_at, pin_memory=offload.pin_memory)
 
 
 def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: EnginePlan, mesh: Mesh,
-                 stats: CommStats) -> tuple[list[list[FlatGroup]], list[FlatGroup]]:
+                 stats: CommStats, spaces: Spaces | None = None) -> tuple[list[list[FlatGroup]], list[FlatGroup]]:
     """The groups of each of ``units`` units (by index), and the replicated groups."""
     numels = [r.numel for r in refs]
     persistent = (persistent_params(numels, threshold=plan.persistence_threshold,
@@ -60,7 +75,7 @@ def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: Engin
                                  shard_rank=mesh.shard_rank if shards > 1 else 0,
                                  bucket_cap=plan.reduce_bucket if trainable else None)
             group_plan = _group_plan(plan, sharding=ParamSharding.REPLICATED, trainable=trainable)
-            replicated.append(FlatGroup(chosen, layout, group_plan, mesh, stats))
+            replicated.append(FlatGroup(chosen, layout, group_plan, mesh, stats, spaces))
         for unit in range(units):
             mine = [r for i, r in enumerate(refs)
                     if i not in persistent and owner[i] == unit and r.requires_grad == trainable]
@@ -68,5 +83,5 @@ def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: Engin
                 layout = plan_layout([r.numel for r in mine], shards=mesh.shard_size,
                                      shard_rank=mesh.shard_rank, bucket_cap=None)
                 group_plan = _group_plan(plan, sharding=plan.sharding, trainable=trainable)
-                per_unit[unit].append(FlatGroup(mine, layout, group_plan, mesh, stats))
+                per_unit[unit].append(FlatGroup(mine, layout, group_plan, mesh, stats, spaces))
     return per_unit, replicated

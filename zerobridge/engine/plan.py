@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerobridge.engine.offload import OffloadPlan, check_offload, plan_offload
 from zerobridge.errors import ConfigError
 from zerobridge.spec import (
     BackwardPrefetch, DType, GradSync, LossScaling, NoLossScale, ParamSharding, StrategySpec, WrapSpec, is_auto,
@@ -68,6 +69,8 @@ class EnginePlan:
     skip_nonfinite_steps: bool
     activation_checkpointing: bool
     wrap: WrapSpec
+    offload: OffloadPlan = OffloadPlan()
+    """Where master values, optimizer state and parameter shards live (``offload.py``)."""
 
     @property
     def replicas(self) -> int:
@@ -118,8 +121,9 @@ def _group(value: object, *, world: int, local: int, key: str) -> int:
 
 def check_runnable(spec: StrategySpec, *, world_size: int | None = None, local_world_size: int | None = None) -> None:
     """The checks that need no model: ``ConfigError`` if the engine cannot run ``spec``
-    on ``world_size`` ranks (``None``: not known yet)."""
-    _refuse_unsupported(spec)
+    on ``world_size`` ranks (``None``: not known yet). Offload paths are checked on
+    this machine: each nvme_path must be a directory it can write."""
+    check_offload(spec.offload, sharded_at_rest=spec.sharding.parameters.sharded_at_rest)
     if world_size is not None:
         local = local_world_size or world_size
         if spec.sharding.optimizer_state:
@@ -129,20 +133,12 @@ def check_runnable(spec: StrategySpec, *, world_size: int | None = None, local_w
                    key="sharding.backward_gather_group")
 
 
-def _refuse_unsupported(spec: StrategySpec) -> None:
-    offload = spec.offload
-    if offload.optimizer.enabled or offload.parameters.enabled:
-        tier = "optimizer" if offload.optimizer.enabled else "parameters"
-        device = getattr(offload, tier).device.value
-        raise ConfigError(
-            f"offload.{tier}.device={device!r}: the native engine does not offload yet",
-            key=f"offload.{tier}.device", fix=f"set offload.{tier}.device='none'")
-
-
 def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_world_size: int) -> EnginePlan:
     """Resolve ``spec`` for ``model`` on ``world_size`` ranks; ``ConfigError`` if it cannot run."""
-    _refuse_unsupported(spec)
     sharding, precision, comm, batch = spec.sharding, spec.precision, spec.communication, spec.batch
+    first = next(model.parameters(), None)
+    offload = plan_offload(spec.offload, sharded_at_rest=sharding.parameters.sharded_at_rest,
+                           accelerator=first is not None and first.device.type != "cpu")
     if sharding.world_size is not None and sharding.world_size != world_size:
         raise ConfigError(f"sharding.world_size={sharding.world_size} but {world_size} ranks were launched",
                           key="sharding.world_size", fix=f"launch {sharding.world_size} ranks, or drop world_size")
@@ -193,4 +189,4 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
         clip_grad_norm=None if clip is None or is_auto(clip) else float(clip),  # type: ignore[arg-type]
         loss_scaling=precision.loss_scaling if compute == torch.float16 else NoLossScale(),
         skip_nonfinite_steps=precision.skip_nonfinite_steps,
-        activation_checkpointing=spec.checkpoint.activation_checkpointing, wrap=spec.wrapping)
+        activation_checkpointing=spec.checkpoint.activation_checkpointing, wrap=spec.wrapping, offload=offload)

@@ -1,4 +1,5 @@
-"""Reading state out of an engine: the full state dict and resident bytes.
+"""Reading state out of an engine: the full state dict, resident bytes and
+bytes per tier.
 
     >>> from zerobridge.engine.state import unshuffle
     >>> import torch
@@ -14,6 +15,8 @@ of every bucket) back into the full flat layout.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,9 +24,14 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.layout import GroupLayout
+from zerobridge.engine.master import master_shard
 from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.offload import ON_DEVICE, FileRegion, Placement
+from zerobridge.engine.swap import StateSwapper
 
-__all__ = ["full_state_dict", "resident_bytes", "unshuffle"]
+__all__ = ["full_state_dict", "group_bytes", "memory", "unshuffle"]
+
+TIERS = ("device", "host", "nvme")
 
 
 def unshuffle(gathered: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
@@ -38,7 +46,7 @@ def unshuffle(gathered: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
 
 def full_master(group: FlatGroup, mesh: Mesh, stats: CommStats) -> torch.Tensor:
     """The group's master values in the full flat layout, on every rank."""
-    shard = group.master if group.master is not None else group.shard
+    shard = master_shard(group)
     if shard is None:  # replicated with the master in the compute buffer itself
         return group.full
     if group.layout.shards == 1:
@@ -61,12 +69,45 @@ def full_state_dict(model: nn.Module, groups: list[FlatGroup], mesh: Mesh,
     return state
 
 
-def resident_bytes(groups: list[FlatGroup], optimizers: object) -> dict[str, int]:
-    """Bytes the groups and the optimizers' states (for these groups) hold now."""
-    params = grads = master = 0
+def _stored(t: torch.Tensor | None) -> int:
+    """Bytes of ``t``'s storage in memory now (0 once released)."""
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def group_bytes(group: FlatGroup) -> dict[tuple[str, str], int]:
+    """Bytes a group holds at rest, by (role, tier): roles ``params``, ``grads`` and
+    ``master`` (a frozen group's master counts as parameters); tiers ``device``,
+    ``host`` (memory of an offloaded tier) and ``nvme`` (swap files)."""
+    out: dict[tuple[str, str], int] = {}
+
+    def add(role: str, tier: str, nbytes: int) -> None:
+        out[(role, tier)] = out.get((role, tier), 0) + nbytes
+
+    master_role = "master" if group.plan.trainable else "params"
+    compute: Placement = group.plan.shard_at if group.shard is not None else ON_DEVICE
+    add("params", compute.resident_label, _stored(group.shard) if group.shard is not None else _stored(group.full))
+    add("params", "device", _stored(group.secondary))
+    add(master_role, group.plan.master_at.resident_label, _stored(group.master))
+    if group.plan.trainable:
+        add("grads", "device", _stored(group.grad_store) + _stored(group.local_acc))
+        add("grads", group.plan.master_at.resident_label, _stored(group.optimizer_grads))
+    for role, region, at in (("params", group.away, compute), (master_role, group.master_file, group.plan.master_at)):
+        if region is not None:
+            add(role, "nvme" if isinstance(region, FileRegion) else at.resident_label, region.nbytes)
+    return out
+
+
+def memory(groups: list[FlatGroup], optimizers: object, swapper: StateSwapper | None,
+           optimizer_tier: Placement) -> dict[str, Any]:
+    """Resident bytes by role (``param_bytes``, ``grad_bytes``, ``optimizer_bytes``:
+    master plus optimizer state) and ``tier_bytes``: everything by where it lives."""
+    resident = {"params": 0, "grads": 0, "master": 0}
+    tiers = dict.fromkeys(TIERS, 0)
     for group in groups:
-        sizes = group.resident_bytes()
-        params, grads, master = params + sizes["params"], grads + sizes["grads"], master + sizes["master"]
+        for (role, tier), nbytes in group_bytes(group).items():
+            tiers[tier] += nbytes
+            if tier != "nvme":
+                resident[role] += nbytes
     owned = {id(p) for g in groups for p in g.params}
     seen: set[int] = set()
     states = 0
@@ -80,4 +121,11 @@ def resident_bytes(groups: list[FlatGroup], optimizers: object) -> dict[str, int
                     if storage.data_ptr() not in seen:
                         seen.add(storage.data_ptr())
                         states += storage.nbytes()
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": master + states}
+    tiers[optimizer_tier.resident_label] += states
+    if swapper is not None:
+        kept = swapper.resident_bytes()
+        states += kept
+        tiers["host"] += kept
+        tiers["nvme"] += swapper.file_bytes()
+    return {"param_bytes": resident["params"], "grad_bytes": resident["grads"],
+            "optimizer_bytes": resident["master"] + states, "tier_bytes": tiers}

@@ -9,12 +9,16 @@ The user keeps a plain torch optimizer. Global optimizer step hooks find the
 engines that own its parameters: before the step they finalise the
 gradients (or hide them when the step must be skipped: fp16 overflow, or no
 accumulation boundary reached); after it they push the stepped master values
-into the compute parameters (and, replicated, all-gather them).
+into the compute parameters (and, replicated, all-gather them). With the
+optimizer tier on nvme the pre-hook itself steps the engine's parameters tile
+by tile (``swap.py``, calling the optimizer's own step without these hooks)
+and hides their gradients, so the user's ``step()`` moves only the others.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,22 +29,41 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats, Pending
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.loss_scale import LossScaler
+from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.plan import EnginePlan
+from zerobridge.engine.swap import StateSwapper
 
-__all__ = ["StepControl", "install_optimizer_hooks"]
+__all__ = ["StepControl", "install_optimizer_hooks", "raw_step"]
 
 Hidden = list[tuple[nn.Parameter, torch.Tensor | None]]
+
+
+@dataclass
+class Stash:
+    """What the pre-step hook did for one optimizer."""
+
+    stepping: bool
+    """The engine's parameters step now (else the step is skipped for them)."""
+    hidden: Hidden = field(default_factory=list)
+    """Gradients hidden from the user's step."""
+    swapped: bool = False
+    """The pre-hook already stepped them tile by tile (nvme optimizer tier)."""
+    nested: bool = False
+    """A step inside this optimizer's own step (a subclass calling a hooked
+    ``super().step()`` runs torch's hooks twice): the outer call decides."""
 
 
 class StepControl:
     """What happens around optimizer.step() for one engine."""
 
-    def __init__(self, plan: EnginePlan, mesh: Mesh, stats: CommStats, trainable: list[FlatGroup]) -> None:
+    def __init__(self, plan: EnginePlan, mesh: Mesh, stats: CommStats, trainable: list[FlatGroup],
+                 swapper: StateSwapper | None = None) -> None:
         self.plan = plan
         self.mesh = mesh
         self.stats = stats
         self.trainable = trainable
+        self.swapper = swapper
         self.param_ids = {id(p) for g in trainable for p in g.params}
         self.scaler = LossScaler(plan.loss_scaling)
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -49,11 +72,14 @@ class StepControl:
         self.finalized = False
         self.skip = False
         self.skipped_steps = 0
+        self.depth: dict[int, int] = {}
+        """Nesting of each optimizer's step (by id) now."""
 
     def gradients_ready(self) -> None:
         """An accumulation boundary handed every group its gradients."""
         self.awaiting = {id(g) for g in self.trainable}
         self.finalized = False
+        self.depth.clear()  # a step that raised half way is over
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for g in self.trainable for p in g.params if p.grad is not None]
@@ -96,23 +122,17 @@ class StepControl:
             local = norms.max() if inf else norms.pow(norm_type).sum()
         else:
             local = torch.zeros((), device=self._device())
-        local = local.reshape(1).to(torch.float32)
+        local = local.reshape(1).to(self._device(), torch.float32)
         # Shards of one copy are summed; replicas hold the same shard and are not.
         collectives.all_reduce(local, self.mesh.reduce, self.stats,
                                op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         total = local[0] if inf else local[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
         return total
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> Hidden:
-        """Optimizer pre-step hook; returns the gradients it hid to skip the step."""
-        self.optimizers.add(optimizer)
-        if self.finalize() and not self.skip:
-            if self.plan.clip_grad_norm is not None:  # the spec's clipping, at step time as DeepSpeed does
-                self.clip_grad_norm(self.plan.clip_grad_norm)
-            return []
+    def _hide(self, optimizer: torch.optim.Optimizer) -> Hidden:
         hidden: Hidden = []
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -121,17 +141,44 @@ class StepControl:
                     param.grad = None
         return hidden
 
-    def after_step(self, optimizer: torch.optim.Optimizer, hidden: Hidden) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer) -> Stash:
+        """Optimizer pre-step hook: skip (hide gradients), let the step run, or run it
+        here tile by tile when the optimizer state is on nvme."""
+        self.optimizers.add(optimizer)
+        depth = self.depth.get(id(optimizer), 0)
+        self.depth[id(optimizer)] = depth + 1
+        if depth:
+            return Stash(stepping=False, nested=True)
+        if not self.finalize() or self.skip:
+            return Stash(stepping=False, hidden=self._hide(optimizer))
+        if self.plan.clip_grad_norm is not None:  # the spec's clipping, at step time as DeepSpeed does
+            self.clip_grad_norm(self.plan.clip_grad_norm)
+        if self.swapper is None:
+            return Stash(stepping=True)
+        hidden = self._hide(optimizer)
+        self.swapper.step(optimizer, {id(p): g for p, g in hidden}, raw_step)
+        return Stash(stepping=True, hidden=hidden, swapped=True)
+
+    def after_step(self, optimizer: torch.optim.Optimizer, stash: Stash) -> None:
         """Optimizer post-step hook: refresh the compute parameters of stepped groups."""
-        if hidden or not self.awaiting:
+        self.depth[id(optimizer)] = self.depth.get(id(optimizer), 1) - 1
+        if self.depth[id(optimizer)] <= 0:
+            del self.depth[id(optimizer)]
+        if stash.nested:
+            return
+        if not stash.stepping or not self.awaiting:
             if self.skip:
                 self.awaiting.clear()
             return
+        for param, grad in stash.hidden:  # the tiled step is over: gradients stay visible until zero_grad
+            param.grad = grad
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         inflight: list[tuple[int, Pending]] = []
         bound = self.plan.allgather_bucket
         for group in self.trainable:
             if id(group) in self.awaiting and any(id(p) in stepped for p in group.params):
+                if not stash.swapped:
+                    push_master(group)
                 for numel, work in group.after_step():
                     inflight.append((numel, work))
                     while bound is not None and len(inflight) > 1 and sum(n for n, _ in inflight) > bound:
@@ -139,6 +186,24 @@ class StepControl:
                 self.awaiting.discard(id(group))
         for _, work in inflight:
             work.wait()
+
+
+_QUIET = 0
+"""Depth of ``raw_step`` calls: the engine's own steps do not run the hooks again."""
+
+
+def raw_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` without the step hooks (torch's, per optimizer, or an LR
+    scheduler's counter): the function torch wrapped, under a re-entrancy guard for
+    subclasses whose ``step`` calls a hooked ``super().step()``."""
+    global _QUIET
+    step = type(optimizer).step
+    function = step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
+    _QUIET += 1
+    try:
+        function(optimizer)
+    finally:
+        _QUIET -= 1
 
 
 _CONTROLS: weakref.WeakSet[StepControl] = weakref.WeakSet()
@@ -152,18 +217,26 @@ def install_optimizer_hooks(control: StepControl) -> None:
     if _INSTALLED:
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-    hidden: dict[int, list[tuple[StepControl, Hidden]]] = {}
+    # Per optimizer a stack: a subclass's step calling a hooked super().step() nests.
+    stashes: dict[int, list[list[tuple[StepControl, Stash]]]] = {}
 
     def owners(optimizer: torch.optim.Optimizer) -> list[StepControl]:
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [c for c in list(_CONTROLS) if not ids.isdisjoint(c.param_ids)]
 
     def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        hidden[id(optimizer)] = [(c, c.before_step(optimizer)) for c in owners(optimizer)]
+        if not _QUIET:
+            entry = [(c, c.before_step(optimizer)) for c in owners(optimizer)]
+            stashes.setdefault(id(optimizer), []).append(entry)
 
     def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for control, stash in hidden.pop(id(optimizer), []):
+        stack = stashes.get(id(optimizer))
+        if _QUIET or not stack:
+            return
+        for control, stash in stack.pop():
             control.after_step(optimizer, stash)
+        if not stack:
+            del stashes[id(optimizer)]
 
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)

@@ -59,8 +59,9 @@ class SyntheticTokens:
         self.seed = seed
         g = torch.Generator().manual_seed(_mix(seed, -1))
         # Distinct successors per row: the first `successors` of a random permutation.
+        # (clone: a view would keep the whole vocab x vocab permutation table alive)
         self.next_tokens: Tensor = torch.argsort(torch.rand(vocab_size, vocab_size, generator=g), dim=1)[
-            :, :successors]
+            :, :successors].clone()
         weights = 0.5 ** torch.arange(successors, dtype=torch.float64)
         self.next_probs: Tensor = (weights / weights.sum()).expand(vocab_size, successors).contiguous()
 
