@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zerobridge.spec import PrecisionSpec, ShardingSpec, StrategySpec
-from zerobridge.testing.cluster import Cluster, RankError
+from zerobridge.testing.cluster import Cluster, RankError, clusters as cluster_set
 from zerobridge.testing.parity import ParityNet, batch, make_optimizer, run_reference
 from zerobridge.testing.resume import GLOBAL_BATCH, clip_native, native, train_steps
 
@@ -155,12 +155,8 @@ def single_process_state(steps: int) -> Any:
 
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[dict[int, Cluster]]:
-    made = {n: Cluster(n, timeout_s=120) for n in (1, 2, 4)}
-    try:
+    with cluster_set(1, 2, 4) as made:
         yield made
-    finally:
-        for cluster in made.values():
-            cluster.close()
 
 
 @cache

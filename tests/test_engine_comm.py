@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from zerobridge.spec import CommunicationSpec, ShardingSpec, StrategySpec, TransformerWrap
-from zerobridge.testing.cluster import Cluster
+from zerobridge.testing.cluster import Cluster, clusters as cluster_set
 from zerobridge.testing.measure import formula_bytes
 
 pytestmark = pytest.mark.distributed
@@ -24,12 +24,8 @@ MEMORY = "zerobridge.testing.measure:memory_and_comm"
 
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[dict[int, Cluster]]:
-    made = {n: Cluster(n, timeout_s=120) for n in (2, 4)}
-    try:
+    with cluster_set(2, 4) as made:
         yield made
-    finally:
-        for cluster in made.values():
-            cluster.close()
 
 
 # ParityNet per step. Stages 0-2 run one replicated bucket; stage 3 cuts it into

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from zerobridge.spec import ShardingSpec, StrategySpec
-from zerobridge.testing.cluster import Cluster
+from zerobridge.testing.cluster import Cluster, clusters as cluster_set
 from zerobridge.testing.parity import RunResult, run_reference
 
 pytestmark = pytest.mark.distributed
@@ -30,12 +30,8 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 5e-5
 
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[dict[int, Cluster]]:
-    made = {n: Cluster(n, timeout_s=120) for n in (1, 2, 4)}
-    try:
+    with cluster_set(1, 2, 4) as made:
         yield made
-    finally:
-        for cluster in made.values():
-            cluster.close()
 
 
 @cache

@@ -38,12 +38,13 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Any, NoReturn
 
-__all__ = ["Cluster", "RankError"]
+__all__ = ["Cluster", "RankError", "clusters"]
 
 _READY = -1  # task id of the start-up report each worker sends after init
 _STARTUP_MIN_S = 60.0  # importing torch in a fresh process can be slow
@@ -310,3 +311,16 @@ class Cluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@contextmanager
+def clusters(*sizes: int, timeout_s: float = 120) -> Iterator[dict[int, Cluster]]:
+    """One ``Cluster`` per world size in ``sizes`` (a test module's fixture), all closed at the end."""
+    made: dict[int, Cluster] = {}
+    try:
+        for n in sizes:
+            made[n] = Cluster(n, timeout_s=timeout_s)
+        yield made
+    finally:
+        for cluster in made.values():
+            cluster.close()
