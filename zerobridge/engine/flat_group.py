@@ -295,8 +295,7 @@ class FlatGroup:
             assert self.grad_store is not None
             return self.grad_store
         if self.local_acc is None:
-            self.local_acc = torch.zeros(self.layout.numel, dtype=self.plan.accumulate_dtype,
-                                         device=self.full.device)
+            self.local_acc = torch.zeros(self.layout.numel, dtype=self.plan.accumulate_dtype, device=self.full.device)
         return self.local_acc
 
     def take_grad(self, b: int) -> torch.Tensor | None:
@@ -315,8 +314,7 @@ class FlatGroup:
     def reduce(self, b: int, divisor: float) -> Reduction:
         """Issue the reduction of bucket ``b`` (this micro-step's and accumulated gradients)."""
         bucket, plan, mesh = self.layout.buckets[b], self.plan, self.mesh
-        grad = self.take_grad(b)
-        region = bucket.region
+        grad, region = self.take_grad(b), bucket.region
         acc = self._accumulator() if (self.accumulated[b] or self.store_is_accumulator) else None
         if acc is not None and self.store_is_accumulator:
             # Stage 0/1: the store's own bucket is the buffer reduced in place.
