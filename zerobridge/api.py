@@ -133,24 +133,37 @@ def _check_model(model: nn.Module) -> None:
 
 @overload
 def prepare(model: nn.Module, optimizer: None = None, *, stage: int | None = None, strategy: str | None = None,
-            config: str | Path | dict[str, Any] | StrategySpec | None = None) -> nn.Module: ...
+            config: str | Path | dict[str, Any] | StrategySpec | None = None, backend: str | None = None,
+            allow_approximate: bool = False) -> nn.Module: ...
 @overload
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
-            strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None
+            strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
+            backend: str | None = None, allow_approximate: bool = False
             ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | None = None,
-            strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None
+            strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
+            backend: str | None = None, allow_approximate: bool = False
             ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` (in place) as the strategy says; return it, or ``(model, optimizer)``.
 
     ``optimizer``: one built before on the original parameters; its param
     groups and hyperparameters are kept, its parameters replaced by the
     sharded ones. It must not have stepped yet.
+
+    ``backend``: ``"native"`` (zerobridge's engine), ``"fsdp"`` (torch
+    FSDP2) or ``"deepspeed"``; ``None``: ``$ZEROBRIDGE_BACKEND``, else
+    native. ``allow_approximate``: run what a backend cannot express exactly
+    as its closest equivalent (recorded) instead of refusing.
     """
+    from zerobridge.backends import resolve_backend
+
+    chosen = resolve_backend(backend)
     _check_model(model)
     spec = resolve_spec(model, stage=stage, strategy=strategy, config=config)
+    if chosen != "native":
+        return _prepare_other(chosen, model, optimizer, spec, allow_approximate=allow_approximate)
     if optimizer is not None and any(optimizer.state.values()):
         raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
                           fix="call zerobridge.prepare before the first optimizer.step()")
@@ -165,6 +178,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
     model.__class__ = _CLASSES[cls]
     object.__setattr__(model, "_zerobridge_engine", engine)
+    from zerobridge.backends import attach
+    from zerobridge.backends.native import NativeBackend
+
+    attach(model, NativeBackend(model, engine))
     if optimizer is None:
         return model
     replacement = {ref.source_id: new for g in engine.groups for ref, new in zip(g.refs, g.params)}
@@ -172,6 +189,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         group["params"] = [replacement.get(id(p), p) for p in group["params"]]
     engine.stepping.optimizers.add(optimizer)
     return model, optimizer
+
+
+def _prepare_other(name: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: StrategySpec, *,
+                   allow_approximate: bool) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+    """Run ``spec`` on torch FSDP2 or DeepSpeed (``zerobridge/backends/``)."""
+    import importlib
+
+    module = importlib.import_module(f"zerobridge.backends.{name}")
+    prepared: nn.Module | tuple[nn.Module, torch.optim.Optimizer] = module.prepare(
+        model, optimizer, spec, allow_approximate=allow_approximate)
+    return prepared
 
 
 def engine_of(model: nn.Module) -> Engine:
@@ -185,12 +213,16 @@ def engine_of(model: nn.Module) -> Engine:
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm over every rank and shard; return the norm."""
-    return engine_of(model).clip_grad_norm(float(max_norm), float(norm_type))
+    from zerobridge.backends import backend_of
+
+    return backend_of(model).clip_grad_norm(float(max_norm), float(norm_type))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict under the original names (tied ones under each), on every rank."""
-    return engine_of(model).full_state_dict()
+    from zerobridge.backends import backend_of
+
+    return backend_of(model).full_state_dict()
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -200,12 +232,16 @@ def stats(model: nn.Module) -> dict[str, Any]:
     state): bytes in memory. ``tier_bytes``: all of them by where they live,
     ``device`` (tier none, also on a CPU machine), ``host`` (tier cpu, and the
     small state kept in memory by the nvme tier) and ``nvme`` (swap files).
+    ``comm_bytes`` / ``comm_calls``: per collective kind since the last
+    ``reset_stats``. ``loss_scale``, ``skipped_steps``: fp16 loss scaling.
     """
-    engine = engine_of(model)
-    return {**engine.memory(), "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),
-            "loss_scale": engine.stepping.scaler.scale, "skipped_steps": engine.stepping.skipped_steps}
+    from zerobridge.backends import backend_of
+
+    return backend_of(model).stats()
 
 
 def reset_stats(model: nn.Module) -> None:
     """Start counting communication from zero."""
-    engine_of(model).stats.reset()
+    from zerobridge.backends import backend_of
+
+    backend_of(model).reset_stats()

@@ -41,6 +41,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
+from zerobridge.backends.base import BACKEND_ENV as ENV_BACKEND
+from zerobridge.backends.base import BACKENDS
 from zerobridge.errors import ConfigError
 
 __all__ = ["BACKENDS", "ENV_BACKEND", "ENV_CONFIG", "STAGES", "ChoiceKind", "add_run_arguments",
@@ -48,8 +50,6 @@ __all__ = ["BACKENDS", "ENV_BACKEND", "ENV_CONFIG", "STAGES", "ChoiceKind", "add
            "validate"]
 
 ENV_CONFIG = "ZEROBRIDGE_CONFIG"
-ENV_BACKEND = "ZEROBRIDGE_BACKEND"
-BACKENDS = ("native", "fsdp", "deepspeed")
 STAGES = (0, 1, 2, 3)
 
 ChoiceKind = Literal["stage", "strategy", "config"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,10 @@ from zerobridge.checkpoint.sharded import engine_pieces, load_engine, replicated
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, agree, write_checkpoint
 
-__all__ = ["load_checkpoint", "save_checkpoint", "save_full"]
+if TYPE_CHECKING:
+    from zerobridge.engine import Engine
+
+__all__ = ["load_checkpoint", "load_native", "save_checkpoint", "save_full", "save_native"]
 
 METADATA_KEY = f"{ZB}.metadata"
 LAYOUT_KEY = f"{ZB}.layout"
@@ -65,10 +68,16 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     Call it after ``optimizer.step()``: gradients are not saved. The previous
     checkpoint at ``path`` stays until the new one is complete.
     """
-    from zerobridge import __version__
-    from zerobridge.api import engine_of
+    from zerobridge.backends import backend_of
 
-    engine = engine_of(model)
+    return backend_of(model).save_checkpoint(Path(path), optimizer, metadata)
+
+
+def save_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None,
+                metadata: dict[str, Any] | None) -> Path:
+    """``save_checkpoint`` on the native engine: every rank its own runs."""
+    from zerobridge import __version__
+
     text = _json_text(metadata)
     pieces, blobs = engine_pieces(engine, optimizer)
     pieces += [_tensor_piece(rank_key(engine.mesh.rank, name), value) for name, value in capture_rng().items()]
@@ -77,9 +86,9 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         more, groups = replicated_pieces(engine, optimizer, model)
         pieces += more + [_tensor_piece(f"{ZB}.{name}", value) for name, value in stepping_state(engine).items()]
         blobs += groups + [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, text)]
-    write_checkpoint(Path(path), pieces, blobs, distributed=True,
+    write_checkpoint(path, pieces, blobs, distributed=True,
                      saved={**layout, "zerobridge": __version__, "torch": torch.__version__})
-    return Path(path)
+    return path
 
 
 def _saved_ranks(ckpt: Checkpoint) -> dict[int, dict[str, str]]:
@@ -123,9 +132,14 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     written by ``torch.distributed.checkpoint`` (FSDP2) load too, unverified
     (they have no manifest).
     """
-    from zerobridge.api import engine_of
+    from zerobridge.backends import backend_of
 
-    engine = engine_of(model)
+    return backend_of(model).load_checkpoint(Path(path), optimizer, strict=strict, rng=rng)
+
+
+def load_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None, *,
+                strict: bool, rng: bool) -> dict[str, Any]:
+    """``load_checkpoint`` on the native engine: each rank reads the chunks its runs overlap."""
     ckpt = open_checkpoint(path, distributed=True)
     load_engine(ckpt, engine, model, optimizer, strict=strict)
     extras = {name: ckpt.full(f"{ZB}.{name}") for name in ("loss_scaler", "skipped_steps")

@@ -1,0 +1,94 @@
+"""What every backend gives the user's loop, whichever engine runs underneath.
+
+    >>> from zerobridge.backends.base import BACKENDS, resolve_backend
+    >>> BACKENDS
+    ('native', 'fsdp', 'deepspeed')
+    >>> resolve_backend(None, env={})
+    'native'
+    >>> resolve_backend(None, env={"ZEROBRIDGE_BACKEND": "fsdp"})
+    'fsdp'
+
+``zerobridge.prepare(..., backend=...)`` builds one ``Backend`` and attaches
+it to the model; ``clip_grad_norm_``, ``full_state_dict``, ``stats``,
+``reset_stats`` and the checkpoint calls then ask ``backend_of(model)``. The
+user's loop (``loss.backward()``, ``optimizer.step()``,
+``optimizer.zero_grad()``) is the same on every backend.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from zerobridge.errors import ConfigError
+
+if TYPE_CHECKING:  # importing this module stays torch-free (the launcher reads BACKENDS)
+    import torch
+    from torch import nn
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "resolve_backend"]
+
+BACKENDS = ("native", "fsdp", "deepspeed")
+BACKEND_ENV = "ZEROBRIDGE_BACKEND"
+_ATTRIBUTE = "_zerobridge_backend"
+
+
+def resolve_backend(given: str | None, *, env: Mapping[str, str] | None = None) -> str:
+    """The backend: the argument, else ``$ZEROBRIDGE_BACKEND``, else ``native``."""
+    environ = os.environ if env is None else env
+    value = given if given is not None else environ.get(BACKEND_ENV) or "native"
+    if value not in BACKENDS:
+        source = "backend" if given is not None else BACKEND_ENV
+        raise ConfigError(f"{source}={value!r} is not a backend", key=source,
+                          fix=f"choose one of {', '.join(BACKENDS)}")
+    return value
+
+
+class Backend(ABC):
+    """One prepared model on one engine: what the public API calls."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip every gradient by the global norm over all ranks; return that norm."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded values under every original name (tied ones under each), with buffers, on every rank."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``tier_bytes``, ``comm_bytes``,
+        ``comm_calls``, ``loss_scale``, ``skipped_steps`` (see ``zerobridge.stats``)."""
+
+    @abstractmethod
+    def reset_stats(self) -> None:
+        """Start counting communication from zero."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
+                        metadata: dict[str, Any] | None) -> Path:
+        """Write a sharded checkpoint (the format of ``docs/checkpoints.md``). Collective."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
+                        rng: bool) -> dict[str, Any]:
+        """Load a checkpoint of any layout; return its user metadata. Collective."""
+
+
+def attach(model: nn.Module, backend: Backend) -> None:
+    """Remember which backend runs ``model``."""
+    object.__setattr__(model, _ATTRIBUTE, backend)
+
+
+def backend_of(model: nn.Module) -> Backend:
+    """The backend of a prepared model; a clear error otherwise."""
+    backend = getattr(model, _ATTRIBUTE, None)
+    if backend is None:
+        raise ConfigError(f"{type(model).__name__} was not prepared", key="model",
+                          fix="call model = zerobridge.prepare(model, ...) first")
+    return backend  # type: ignore[no-any-return]

@@ -1,0 +1,57 @@
+"""The native engine as a backend: ``zerobridge.prepare``'s default.
+
+    >>> import torch, zerobridge
+    >>> from zerobridge.backends import backend_of
+    >>> model = zerobridge.prepare(torch.nn.Linear(4, 2), stage=1)
+    >>> backend_of(model).name, sorted(zerobridge.stats(model)["tier_bytes"])
+    ('native', ['device', 'host', 'nvme'])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from zerobridge.backends.base import Backend
+from zerobridge.engine import Engine
+
+__all__ = ["NativeBackend"]
+
+
+class NativeBackend(Backend):
+    """A model run by zerobridge's own engine."""
+
+    name: ClassVar[str] = "native"
+
+    def __init__(self, model: nn.Module, engine: Engine) -> None:
+        self.model = model
+        self.engine = engine
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        return self.engine.clip_grad_norm(max_norm, norm_type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.engine.full_state_dict()
+
+    def stats(self) -> dict[str, Any]:
+        engine = self.engine
+        return {**engine.memory(), "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),
+                "loss_scale": engine.stepping.scaler.scale, "skipped_steps": engine.stepping.skipped_steps}
+
+    def reset_stats(self) -> None:
+        self.engine.stats.reset()
+
+    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
+                        metadata: dict[str, Any] | None) -> Path:
+        from zerobridge.checkpoint.api import save_native
+
+        return save_native(path, self.model, self.engine, optimizer, metadata)
+
+    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
+                        rng: bool) -> dict[str, Any]:
+        from zerobridge.checkpoint.api import load_native
+
+        return load_native(path, self.model, self.engine, optimizer, strict=strict, rng=rng)
