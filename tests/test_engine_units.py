@@ -197,7 +197,7 @@ def solo_group() -> Iterator[None]:
 @pytest.mark.parametrize("name", [
     "zerobridge.engine.collectives", "zerobridge.engine.layout", "zerobridge.engine.units",
     "zerobridge.engine.plan", "zerobridge.engine.loss_scale", "zerobridge.engine.state", "zerobridge.engine.step",
-    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.backends.base", "zerobridge.backends.native", "zerobridge.engine.engine",
+    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.backends.base", "zerobridge.backends.native", "zerobridge.backends.counting", "zerobridge.engine.engine",
     "zerobridge.engine.offload", "zerobridge.engine.swap", "zerobridge.engine.master", "zerobridge.api",
     "zerobridge.testing.measure",
 ])

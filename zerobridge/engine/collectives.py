@@ -52,7 +52,7 @@ class _Done:
 DONE: Pending = _Done()
 
 
-@dataclass
+@dataclass(eq=False)
 class CommStats:
     """Bytes and calls per collective kind since the last ``reset``."""
 
