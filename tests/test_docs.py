@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from zerobridge.docgen import render_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,3 +31,14 @@ def test_every_documented_target_exists() -> None:
     text += (REPO / "README.md").read_text(encoding="utf-8")
     for target in set(re.findall(r"--to ([a-z0-9-]+)", text)):
         assert target in TARGETS, f"docs mention --to {target}, which does not exist"
+
+
+@pytest.mark.parametrize("name", sorted(
+    f"zerobridge.translate.{p.stem}" for p in (REPO / "zerobridge" / "translate").glob("*.py") if p.stem != "__init__"))
+def test_translator_modules_examples_run(name: str) -> None:
+    """Each translator module opens with examples; they must stay true."""
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
