@@ -31,3 +31,13 @@ def test_prepare_refuses_an_unknown_backend_before_touching_the_model() -> None:
         zerobridge.prepare(model, stage=1, backend="ddp")
     with pytest.raises(ConfigError, match="was not prepared"):
         backend_of(model)
+
+
+def test_a_model_prepared_by_any_backend_is_refused_a_second_time() -> None:
+    from zerobridge.backends import attach
+    from zerobridge.backends.native import NativeBackend
+
+    model = torch.nn.Linear(2, 2)
+    attach(model, NativeBackend.__new__(NativeBackend))  # as a foreign backend leaves it: no ZeroModule class
+    with pytest.raises(ConfigError, match="already prepared"):
+        zerobridge.prepare(model, stage=0)

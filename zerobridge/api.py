@@ -114,7 +114,9 @@ def _init_distributed(model: nn.Module) -> None:
 
 
 def _check_model(model: nn.Module) -> None:
-    if isinstance(model, ZeroModule):
+    from zerobridge.backends import is_prepared
+
+    if isinstance(model, ZeroModule) or is_prepared(model):
         raise ConfigError(f"{type(model).__name__} is already prepared", key="model",
                           fix="call zerobridge.prepare once per model")
     params = list(model.parameters())

@@ -224,9 +224,49 @@ def validate(args: argparse.Namespace) -> None:
             raise ConfigError(exc.message, source=args.config or args.strategy, key=exc.key, fix=exc.fix) from None
     if args.backend is not None and args.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {args.backend!r}", key="--backend", fix=f"one of {', '.join(BACKENDS)}")
+    if args.backend == "fsdp":
+        _validate_fsdp(args, spec)
+    if args.backend == "deepspeed" and spec is not None:
+        _validate_deepspeed(args, spec)
     if not args.module and not Path(args.script).is_file():
         raise ConfigError("training script not found", source=args.script,
                           fix="check the path; use -m to run a module by name")
+
+
+def _validate_fsdp(args: argparse.Namespace, spec: Any) -> None:
+    """Refuse before launching what torch FSDP2 cannot run exactly (the world size must be known)."""
+    if spec is None and args.stage is not None:
+        from zerobridge.api import spec_for_stage
+
+        spec = spec_for_stage(int(args.stage))
+    nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
+    nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
+    if spec is None or nproc is None or nnodes is None:
+        return
+    from zerobridge.backends.fsdp_plan import assess, refuse
+
+    try:
+        refuse(assess(spec, world_size=nproc * nnodes, local_world_size=nproc).approximations)
+    except ConfigError as exc:
+        raise ConfigError(exc.message, source=args.config or args.strategy or f"--stage {args.stage}", key=exc.key,
+                          fix="use --backend native or change the spec; a script that passes allow_approximate=True "
+                              "to zerobridge.prepare runs the closest FSDP2 form: start it with torchrun") from None
+
+
+def _validate_deepspeed(args: argparse.Namespace, spec: Any) -> None:
+    """Refuse before launching what DeepSpeed cannot run exactly (``zerobridge.backends.deepspeed_config``);
+    checks that need the world size are skipped when the launcher cannot tell it."""
+    from zerobridge.backends.deepspeed_config import launch_problems, refusal
+
+    nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
+    nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
+    error, approximations = launch_problems(spec, world_size=nproc * nnodes if nproc and nnodes else None)
+    if error is None and approximations:
+        error = ConfigError(refusal(approximations).message, key=approximations[0].key,
+                            fix="use --backend native or change the spec; a script that passes allow_approximate=True "
+                                "to zerobridge.prepare runs DeepSpeed's closest form: start it with torchrun")
+    if error is not None:
+        raise ConfigError(error.message, source=args.config or args.strategy, key=error.key, fix=error.fix)
 
 
 def torchrun_command(args: argparse.Namespace, *, python: str | None = None) -> list[str]:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # importing this module stays torch-free (the launcher reads 
     import torch
     from torch import nn
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "resolve_backend"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "is_prepared", "resolve_backend"]
 
 BACKENDS = ("native", "fsdp", "deepspeed")
 BACKEND_ENV = "ZEROBRIDGE_BACKEND"
@@ -83,6 +83,11 @@ class Backend(ABC):
 def attach(model: nn.Module, backend: Backend) -> None:
     """Remember which backend runs ``model``."""
     object.__setattr__(model, _ATTRIBUTE, backend)
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether some backend already runs ``model``."""
+    return getattr(model, _ATTRIBUTE, None) is not None
 
 
 def backend_of(model: nn.Module) -> Backend:

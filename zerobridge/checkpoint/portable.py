@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from zerobridge.checkpoint.layout import model_key, optim_state_key, param_group_key, whole
-from zerobridge.checkpoint.reader import open_checkpoint
+from zerobridge.checkpoint.reader import Checkpoint, open_checkpoint
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
 
-__all__ = ["PortableState", "read_portable", "write_portable"]
+__all__ = ["PortableState", "portable_from", "read_portable", "write_portable"]
 
 
 @dataclass
@@ -46,24 +46,30 @@ class PortableState:
     """JSON-able user metadata (``{"step": 10}``)."""
 
 
-def write_portable(path: str | Path, state: PortableState) -> Path:
+def write_portable(path: str | Path, state: PortableState, *, extras: dict[str, torch.Tensor] | None = None,
+                   layout: dict[str, Any] | None = None) -> Path:
     """Write ``state`` as a zerobridge checkpoint (one process, no process group),
     loadable by ``load_checkpoint`` at any stage and world size, and by FSDP2.
 
     Optimizer state is keyed by parameter name; ``param_groups[i]["params"]``
     lists names. ``metadata`` must be JSON-able; it is what ``load_checkpoint``
-    returns. Written to a temporary sibling and swapped into place."""
+    returns. ``extras``: more whole tensors under their full keys (zerobridge's
+    own, e.g. ``zerobridge.rng.<rank>.torch``, ``zerobridge.skipped_steps``);
+    ``layout``: what ``checkpoint info`` reports as the saving layout. Written
+    to a temporary sibling and swapped into place."""
     from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, _json_text
 
     pieces = [_piece(model_key(name), value) for name, value in state.model.items()]
+    pieces += [_piece(key, value) for key, value in (extras or {}).items()]
     for fqn, entries in state.optimizer.items():
         pieces += [_piece(optim_state_key(fqn, key), value, fqn) for key, value in entries.items()]
     blobs = [Blob(param_group_key(i, key), list(value) if key == "params" else value)
              for i, group in enumerate(state.param_groups) for key, value in group.items()]
-    layout = {"world_size": 1, "shard_size": 1, "replicas": 1, "strategy": "portable (whole tensors)"}
-    source = state.metadata.get("source")
-    if isinstance(source, str):
-        layout["strategy"] = f"portable, from {source}"
+    if layout is None:
+        layout = {"world_size": 1, "shard_size": 1, "replicas": 1, "strategy": "portable (whole tensors)"}
+        source = state.metadata.get("source")
+        if isinstance(source, str):
+            layout["strategy"] = f"portable, from {source}"
     blobs += [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, _json_text(state.metadata))]
     write_checkpoint(Path(path), pieces, blobs, saved=layout, distributed=False)
     return Path(path)
@@ -80,10 +86,14 @@ def _piece(key: str, value: torch.Tensor, fqn: str | None = None) -> Piece:
 def read_portable(path: str | Path, *, optimizer: bool = True) -> PortableState:
     """Every tensor of a checkpoint, whole, in this process (any layout wrote it,
     FSDP2 included). ``optimizer=False`` reads the model weights only."""
+    return portable_from(open_checkpoint(path), optimizer=optimizer)
+
+
+def portable_from(ckpt: Checkpoint, *, optimizer: bool = True) -> PortableState:
+    """``read_portable`` on a checkpoint already opened (and verified)."""
     from zerobridge.checkpoint.api import user_metadata
     from zerobridge.checkpoint.sharded import group_keys, state_keys
 
-    ckpt = open_checkpoint(path)
     state = PortableState(metadata=user_metadata(ckpt))
     state.model = {key[len("model."):]: ckpt.full(key) for key in ckpt.keys()
                    if key.startswith("model.") and ckpt.tensor(key) is not None}
