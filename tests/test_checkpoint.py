@@ -54,12 +54,12 @@ def test_boxes_are_exactly_the_run_in_order(shape: list[int], data: st.DataObjec
 
 
 def test_metadata_must_be_json() -> None:
-    from zerobridge.checkpoint.api import _json_text
+    from zerobridge.checkpoint.api import metadata_json
 
-    assert json.loads(_json_text({"step": 3, "tags": ["a"]})) == {"step": 3, "tags": ["a"]}
+    assert json.loads(metadata_json({"step": 3, "tags": ["a"]})) == {"step": 3, "tags": ["a"]}
     for bad in ({"when": object()}, {"loss": float("nan")}):
         with pytest.raises(CheckpointError, match="metadata: must be JSON"):
-            _json_text(bad)
+            metadata_json(bad)
 
 
 def test_intersect() -> None:

@@ -32,7 +32,8 @@ from zerobridge.engine.mesh import build_mesh, group_timeout
 from zerobridge.errors import ConfigError
 from zerobridge.spec import BatchSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
 
-__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "prepare", "reset_stats", "spec_for_stage", "stats"]
+__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "reset_stats", "spec_for_stage",
+           "stats"]
 
 CONFIG_ENV = "ZEROBRIDGE_CONFIG"
 
@@ -101,7 +102,9 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     return load(str(choice)).value
 
 
-def _init_distributed(model: nn.Module) -> None:
+def init_distributed(model: nn.Module) -> None:
+    """Start the default process group unless there is one: gloo (CPU) or NCCL (CUDA)
+    under a launcher, a one-rank gloo group under plain python."""
     if dist.is_initialized():
         return
     timeout = group_timeout()
@@ -169,7 +172,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     if optimizer is not None and any(optimizer.state.values()):
         raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
                           fix="call zerobridge.prepare before the first optimizer.step()")
-    _init_distributed(model)
+    init_distributed(model)
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     plan = plan_engine(spec, model, world_size=world, local_world_size=local)

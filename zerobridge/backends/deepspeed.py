@@ -165,10 +165,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     except ImportError as exc:
         raise ConfigError(f"DeepSpeed is not importable ({exc})", key="backend",
                           fix="pip install deepspeed, or use backend='native'") from None
-    from zerobridge.api import _init_distributed
+    from zerobridge.api import init_distributed
     from zerobridge.engine.plan import hidden_size
 
-    _init_distributed(model)
+    init_distributed(model)
     if dist.get_world_size() == 1:  # one process without a launcher: DeepSpeed still asks for LOCAL_RANK
         os.environ.setdefault("LOCAL_RANK", "0")
     plan = build_config(spec, world_size=dist.get_world_size(), allow_approximate=allow_approximate,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zerobridge.backends.deepspeed_access import shape_of
-from zerobridge.checkpoint.api import _json_text, _saved_ranks
+from zerobridge.checkpoint.api import metadata_json, saved_ranks
 from zerobridge.checkpoint.extras import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, rank_key
 from zerobridge.checkpoint.portable import PortableState, portable_from, write_portable
@@ -56,7 +56,7 @@ def save(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, metadat
     """Write a zerobridge checkpoint of the engine's state. Collective; rank 0 writes."""
     from zerobridge import __version__
 
-    _json_text(metadata)  # refuse bad metadata on every rank, before any collective
+    metadata_json(metadata)  # refuse bad metadata on every rank, before any collective
     model = backend.full_state_dict()
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     groups: list[dict[str, Any]] = []
@@ -128,7 +128,7 @@ def load(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, strict:
         _load_optimizer(backend, state, params, strict=strict, source=ckpt.source)
     if ckpt.tensor(f"{ZB}.skipped_steps") is not None:
         backend.engine.skipped_steps = int(ckpt.full(f"{ZB}.skipped_steps"))
-    ranks = _saved_ranks(ckpt)
+    ranks = saved_ranks(ckpt)
     if rng and ranks:
         mine = ranks.get((dist.get_rank() if dist.is_initialized() else 0) % len(ranks), {})
         restore_rng({name: ckpt.full(key) for name, key in mine.items()})

@@ -183,10 +183,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
             allow_approximate: bool) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Run ``spec`` on torch FSDP2: shard ``model`` in place; return it, or ``(model, optimizer)``
     with the optimizer's parameters replaced by the sharded ones (groups and hyperparameters kept)."""
-    from zerobridge.api import _init_distributed
+    from zerobridge.api import init_distributed
 
     _check_model(model, optimizer)
-    _init_distributed(model)
+    init_distributed(model)
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     plan = plan_engine(neutral(spec), model, world_size=world, local_world_size=local_world)

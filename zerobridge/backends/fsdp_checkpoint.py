@@ -29,11 +29,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, _json_text, _saved_ranks, _tensor_piece, user_metadata
+from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
 from zerobridge.checkpoint.extras import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, Box, model_key, optim_state_key, param_group_key, rank_key, whole
 from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
-from zerobridge.checkpoint.sharded import _restore_groups, _to_param, group_keys, state_keys
+from zerobridge.checkpoint.sharded import restore_groups, state_to_param, group_keys, state_keys
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
 
@@ -101,7 +101,7 @@ def save_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
 
     from zerobridge import __version__
 
-    text = _json_text(metadata)
+    text = metadata_json(metadata)
     shards = _shards(backend)
     first = {id(s.param): s.names[0] for s in shards}
     held = _held(optimizer, first)
@@ -130,21 +130,21 @@ def save_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
                 else:
                     blobs.append(Blob(flat, value))
     rank = dist.get_rank()
-    pieces += [_tensor_piece(rank_key(rank, name), value) for name, value in capture_rng().items()]
+    pieces += [tensor_piece(rank_key(rank, name), value) for name, value in capture_rng().items()]
     summary = layout(backend)
     if rank == 0:
         params = {n for s in shards for n in s.names}
-        pieces += [_tensor_piece(model_key(n), v) for n, v in backend.model.state_dict().items()
+        pieces += [tensor_piece(model_key(n), v) for n, v in backend.model.state_dict().items()
                    if n not in params and isinstance(v, torch.Tensor)]
         if optimizer is not None:
             for i, group in enumerate(optimizer.param_groups):
                 blobs += [Blob(param_group_key(i, k), [first[id(p)] for p in v] if k == "params" else v)
                           for k, v in group.items()]
         scaler = backend.stepping.scaler
-        pieces += [_tensor_piece(f"{ZB}.loss_scaler", torch.tensor(
+        pieces += [tensor_piece(f"{ZB}.loss_scaler", torch.tensor(
                        [scaler.scale, float(getattr(scaler, "_hysteresis", -1)), float(scaler._clean_steps)],
                        dtype=torch.float64)),
-                   _tensor_piece(f"{ZB}.skipped_steps", torch.tensor(backend.stepping.skipped_steps))]
+                   tensor_piece(f"{ZB}.skipped_steps", torch.tensor(backend.stepping.skipped_steps))]
         blobs += [Blob(LAYOUT_KEY, summary), Blob(METADATA_KEY, text)]
     write_checkpoint(path, pieces, blobs, distributed=True,
                      saved={**summary, "zerobridge": __version__, "torch": torch.__version__})
@@ -228,7 +228,7 @@ def load_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
             raise CheckpointError("holds no optimizer state", source=ckpt.source, key="optim",
                                   fix="pass optimizer=None to load the model only, or strict=False")
         if group_keys(ckpt):
-            _restore_groups(ckpt, optimizer, first, {s.names[0] for s in shards if not s.param.requires_grad})
+            restore_groups(ckpt, optimizer, first, {s.names[0] for s in shards if not s.param.requires_grad})
         saved = state_keys(ckpt)
         plain_keys = [k for s in shards if id(s.param) in held for k in saved.get(s.names[0], {}).values()
                       if ckpt.is_bytes(k)]
@@ -263,7 +263,7 @@ def load_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
             if id(shard.param) in states:
                 _set_state(optimizer, shard, states[id(shard.param)], group_of[id(shard.param)])
     _restore_stepping(backend, ckpt)
-    ranks = _saved_ranks(ckpt)
+    ranks = saved_ranks(ckpt)
     if rng and ranks:
         source = ranks.get(dist.get_rank() % len(ranks), {})
         restore_rng({name: ckpt.full(key) for name, key in source.items()})
@@ -279,12 +279,12 @@ def _set_state(optimizer: torch.optim.Optimizer, shard: Shard, staged: dict[str,
     state: dict[str, Any] = {}
     for key, value in staged.items():
         if isinstance(value, torch.Tensor) and value.dim():
-            value = _to_param(key, value, shard.local, group)
+            value = state_to_param(key, value, shard.local, group)
             if isinstance(param, DTensor):
                 value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                            shape=param.shape, stride=param.stride())
         elif isinstance(value, torch.Tensor):
-            value = _to_param(key, value, shard.local, group)
+            value = state_to_param(key, value, shard.local, group)
         state[key] = value
     optimizer.state[param] = state
 

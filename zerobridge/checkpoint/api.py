@@ -37,13 +37,15 @@ from zerobridge.checkpoint.writer import Blob, Piece, agree, write_checkpoint
 if TYPE_CHECKING:
     from zerobridge.engine import Engine
 
-__all__ = ["load_checkpoint", "load_native", "save_checkpoint", "save_full", "save_native"]
+__all__ = ["load_checkpoint", "load_native", "metadata_json", "save_checkpoint", "save_full", "save_native", "saved_ranks",
+           "tensor_piece"]
 
 METADATA_KEY = f"{ZB}.metadata"
 LAYOUT_KEY = f"{ZB}.layout"
 
 
-def _json_text(metadata: dict[str, Any] | None) -> str:
+def metadata_json(metadata: dict[str, Any] | None) -> str:
+    """``metadata`` as JSON text; ``CheckpointError`` if it is not JSON-able."""
     try:
         return json.dumps(metadata or {}, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -51,7 +53,8 @@ def _json_text(metadata: dict[str, Any] | None) -> str:
                               fix="pass numbers, strings, booleans, lists and dicts with string keys only") from None
 
 
-def _tensor_piece(key: str, value: torch.Tensor) -> Piece:
+def tensor_piece(key: str, value: torch.Tensor) -> Piece:
+    """A whole tensor saved under ``key`` as one chunk."""
     shape = tuple(value.shape)
     return Piece(key, whole(shape), shape, value.dtype, partial(lambda v: v, value))
 
@@ -78,20 +81,21 @@ def save_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.o
     """``save_checkpoint`` on the native engine: every rank its own runs."""
     from zerobridge import __version__
 
-    text = _json_text(metadata)
+    text = metadata_json(metadata)
     pieces, blobs = engine_pieces(engine, optimizer)
-    pieces += [_tensor_piece(rank_key(engine.mesh.rank, name), value) for name, value in capture_rng().items()]
+    pieces += [tensor_piece(rank_key(engine.mesh.rank, name), value) for name, value in capture_rng().items()]
     layout = layout_summary(engine)
     if engine.mesh.rank == 0:
         more, groups = replicated_pieces(engine, optimizer, model)
-        pieces += more + [_tensor_piece(f"{ZB}.{name}", value) for name, value in stepping_state(engine).items()]
+        pieces += more + [tensor_piece(f"{ZB}.{name}", value) for name, value in stepping_state(engine).items()]
         blobs += groups + [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, text)]
     write_checkpoint(path, pieces, blobs, distributed=True,
                      saved={**layout, "zerobridge": __version__, "torch": torch.__version__})
     return path
 
 
-def _saved_ranks(ckpt: Checkpoint) -> dict[int, dict[str, str]]:
+def saved_ranks(ckpt: Checkpoint) -> dict[int, dict[str, str]]:
+    """Saved rank -> {RNG name: key} of the per-rank RNG states in ``ckpt``."""
     ranks: dict[int, dict[str, str]] = {}
     prefix = f"{ZB}.rng."
     for key in ckpt.keys():
@@ -145,7 +149,7 @@ def load_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.o
     extras = {name: ckpt.full(f"{ZB}.{name}") for name in ("loss_scaler", "skipped_steps")
               if ckpt.tensor(f"{ZB}.{name}") is not None}
     restore_stepping(engine, extras)
-    ranks = _saved_ranks(ckpt)
+    ranks = saved_ranks(ckpt)
     if rng and ranks:
         source = ranks.get(engine.mesh.rank % len(ranks), {})
         restore_rng({name: ckpt.full(key) for name, key in source.items()})

@@ -57,7 +57,7 @@ def write_portable(path: str | Path, state: PortableState, *, extras: dict[str, 
     own, e.g. ``zerobridge.rng.<rank>.torch``, ``zerobridge.skipped_steps``);
     ``layout``: what ``checkpoint info`` reports as the saving layout. Written
     to a temporary sibling and swapped into place."""
-    from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, _json_text
+    from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json
 
     pieces = [_piece(model_key(name), value) for name, value in state.model.items()]
     pieces += [_piece(key, value) for key, value in (extras or {}).items()]
@@ -70,7 +70,7 @@ def write_portable(path: str | Path, state: PortableState, *, extras: dict[str, 
         source = state.metadata.get("source")
         if isinstance(source, str):
             layout["strategy"] = f"portable, from {source}"
-    blobs += [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, _json_text(state.metadata))]
+    blobs += [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, metadata_json(state.metadata))]
     write_checkpoint(Path(path), pieces, blobs, saved=layout, distributed=False)
     return Path(path)
 

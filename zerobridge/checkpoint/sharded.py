@@ -34,7 +34,7 @@ from zerobridge.engine.access import (
 if TYPE_CHECKING:
     from zerobridge.engine.engine import Engine
 
-__all__ = ["engine_pieces", "load_engine", "replicated_pieces"]
+__all__ = ["engine_pieces", "load_engine", "replicated_pieces", "restore_groups", "state_to_param"]
 
 STAGING_BYTES = 256 << 20
 """Staged values read before they are handed to the engine (one run at least)."""
@@ -173,7 +173,7 @@ def group_keys(ckpt: Checkpoint) -> dict[int, dict[str, str]]:
     return found
 
 
-def _restore_groups(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, names: dict[int, str],
+def restore_groups(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, names: dict[int, str],
                     frozen: set[str]) -> None:
     """Hyperparameters back into the optimizer's groups, matched by position; each group
     must hold the same trainable parameters (frozen ones never step, and some writers,
@@ -197,7 +197,7 @@ def _restore_groups(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, names: d
                 group[name] = values[key]
 
 
-def _to_param(key: str, value: torch.Tensor, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+def state_to_param(key: str, value: torch.Tensor, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
     """Place a state tensor as torch's ``Optimizer.load_state_dict`` does."""
     if key == "step":
         if group.get("capturable") or group.get("fused"):
@@ -259,7 +259,7 @@ def load_engine(ckpt: Checkpoint, engine: Engine, model: nn.Module, optimizer: t
             raise CheckpointError("holds no optimizer state", source=ckpt.source, key="optim",
                                   fix="pass optimizer=None to load the model only, or strict=False")
         if group_keys(ckpt):
-            _restore_groups(ckpt, optimizer, names, {run.names[0] for run in runs if not run.trainable})
+            restore_groups(ckpt, optimizer, names, {run.names[0] for run in runs if not run.trainable})
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     byte_keys = [k for run in runs if id(run.param) in held for k in states.get(run.names[0], {}).values()
                  if ckpt.is_bytes(k)]
@@ -300,7 +300,7 @@ def _set_state(engine: Engine, optimizer: torch.optim.Optimizer | None, run: Loc
     assert optimizer is not None
     if not staged and not read_optimizer_state(engine, optimizer, run):
         return  # no state saved, none now (frozen, or never had a gradient)
-    state = {key: _to_param(key, value.view(run.param.shape) if value.dim() else value, run.param, group)
+    state = {key: state_to_param(key, value.view(run.param.shape) if value.dim() else value, run.param, group)
              if isinstance(value, torch.Tensor) else value for key, value in staged.items()}
     write_optimizer_state(engine, optimizer, run, state)
 
