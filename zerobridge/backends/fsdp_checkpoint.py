@@ -33,7 +33,7 @@ from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json, s
 from zerobridge.checkpoint.extras import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, Box, model_key, optim_state_key, param_group_key, rank_key, whole
 from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
-from zerobridge.checkpoint.sharded import restore_groups, state_to_param, group_keys, state_keys
+from zerobridge.checkpoint.sharded import check_model, group_keys, restore_groups, state_keys, state_to_param
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
 
@@ -167,38 +167,6 @@ def _held(optimizer: torch.optim.Optimizer | None, first: dict[int, str]) -> set
     return held
 
 
-def _check(ckpt: Checkpoint, shards: list[Shard], buffers: dict[str, torch.Tensor], strict: bool) -> dict[int, str]:
-    """The checkpoint key of each parameter; shape mismatches always, missing or unexpected names strictly."""
-    keys: dict[int, str] = {}
-    missing: list[str] = []
-    for shard in shards:
-        key = next((model_key(n) for n in shard.names if ckpt.tensor(model_key(n)) is not None), None)
-        if key is None:
-            missing.append(shard.names[0])
-            continue
-        saved = tuple(ckpt.tensor(key).size)  # type: ignore[union-attr]
-        if saved != tuple(shard.param.shape):
-            raise CheckpointError(f"has shape {saved}; the model's parameter has {tuple(shard.param.shape)}",
-                                  source=ckpt.source, key=key, fix="load into the model architecture that saved it")
-        keys[id(shard.param)] = key
-    for name, buffer in buffers.items():
-        md = ckpt.tensor(model_key(name))
-        if md is None:
-            missing.append(name)
-        elif tuple(md.size) != tuple(buffer.shape):
-            raise CheckpointError(f"has shape {tuple(md.size)}; the model's buffer has {tuple(buffer.shape)}",
-                                  source=ckpt.source, key=model_key(name),
-                                  fix="load into the model architecture that saved it")
-    known = {model_key(n) for s in shards for n in s.names} | {model_key(n) for n in buffers}
-    unexpected = sorted(k for k in ckpt.keys() if k.startswith("model.") and k not in known)
-    if strict and (missing or unexpected):
-        parts = ([f"missing {len(missing)}: {', '.join(missing[:5])}"] if missing else []) + \
-                ([f"unexpected {len(unexpected)}: {', '.join(unexpected[:5])}"] if unexpected else [])
-        raise CheckpointError(f"does not match the model ({'; '.join(parts)})", source=ckpt.source, key="model",
-                              fix="load into the model that saved it, or pass strict=False to load what matches")
-    return keys
-
-
 def _staged(ckpt: Checkpoint, key: str, box: Box, targets: list[Target]) -> torch.Tensor:
     md = ckpt.tensor(key)
     assert md is not None
@@ -218,7 +186,8 @@ def load_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
     first = {id(s.param): s.names[0] for s in shards}
     params = {n for s in shards for n in s.names}
     buffers = {n: b for n, b in backend.model.state_dict().items() if n not in params and isinstance(b, torch.Tensor)}
-    keys = _check(ckpt, shards, buffers, strict)
+    found = check_model(ckpt, [(s.names, tuple(s.param.shape)) for s in shards], buffers, strict)
+    keys = {id(s.param): key for s, key in zip(shards, found) if key is not None}
     held = _held(optimizer, first)
     targets: list[Target] = []
     staged = {id(s.param): _staged(ckpt, keys[id(s.param)], s.box, targets) for s in shards if id(s.param) in keys}

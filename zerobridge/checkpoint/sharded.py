@@ -34,7 +34,7 @@ from zerobridge.engine.access import (
 if TYPE_CHECKING:
     from zerobridge.engine.engine import Engine
 
-__all__ = ["engine_pieces", "load_engine", "replicated_pieces", "restore_groups", "state_to_param"]
+__all__ = ["check_model", "engine_pieces", "load_engine", "replicated_pieces", "restore_groups", "state_to_param"]
 
 STAGING_BYTES = 256 << 20
 """Staged values read before they are handed to the engine (one run at least)."""
@@ -208,21 +208,23 @@ def state_to_param(key: str, value: torch.Tensor, param: torch.Tensor, group: di
     return value.to(device=param.device)
 
 
-def check_model(ckpt: Checkpoint, runs: list[LocalRun], buffers: dict[str, torch.Tensor], strict: bool) -> dict[int, str]:
-    """The checkpoint key of every run it holds; a clear error for shape mismatches and, strictly, missing or
-    unexpected names."""
-    keys: dict[int, str] = {}
+def check_model(ckpt: Checkpoint, params: list[tuple[tuple[str, ...], tuple[int, ...]]],
+                buffers: dict[str, torch.Tensor], strict: bool) -> list[str | None]:
+    """The checkpoint key of each parameter, given as (names, whole shape), or ``None`` where
+    the checkpoint lacks it; a clear error for shape mismatches and, strictly, for missing or
+    unexpected names. Shared by every backend's loader."""
+    found: list[str | None] = []
     missing = []
-    for run in runs:
-        key = next((model_key(n) for n in run.names if ckpt.tensor(model_key(n)) is not None), None)
+    for names, shape in params:
+        key = next((model_key(n) for n in names if ckpt.tensor(model_key(n)) is not None), None)
+        found.append(key)
         if key is None:
-            missing.append(run.names[0])
+            missing.append(names[0])
             continue
         saved = tuple(ckpt.tensor(key).size)  # type: ignore[union-attr]
-        if saved != tuple(run.shape):
-            raise CheckpointError(f"has shape {saved}; the model's parameter has {tuple(run.shape)}",
+        if saved != tuple(shape):
+            raise CheckpointError(f"has shape {saved}; the model's parameter has {tuple(shape)}",
                                   source=ckpt.source, key=key, fix="load into the model architecture that saved it")
-        keys[id(run)] = key
     for name, buffer in buffers.items():
         md = ckpt.tensor(model_key(name))
         if md is None:
@@ -231,14 +233,14 @@ def check_model(ckpt: Checkpoint, runs: list[LocalRun], buffers: dict[str, torch
             raise CheckpointError(f"has shape {tuple(md.size)}; the model's buffer has {tuple(buffer.shape)}",
                                   source=ckpt.source, key=model_key(name),
                                   fix="load into the model architecture that saved it")
-    known = {model_key(n) for run in runs for n in run.names} | {model_key(n) for n in buffers}
+    known = {model_key(n) for names, _ in params for n in names} | {model_key(n) for n in buffers}
     unexpected = sorted(k for k in ckpt.keys() if k.startswith("model.") and k not in known)
     if strict and (missing or unexpected):
         parts = ([f"missing {len(missing)}: {', '.join(missing[:5])}"] if missing else []) + \
                 ([f"unexpected {len(unexpected)}: {', '.join(unexpected[:5])}"] if unexpected else [])
         raise CheckpointError(f"does not match the model ({'; '.join(parts)})", source=ckpt.source, key="model",
                               fix="load into the model that saved it, or pass strict=False to load what matches")
-    return keys
+    return found
 
 
 def load_engine(ckpt: Checkpoint, engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
@@ -248,7 +250,8 @@ def load_engine(ckpt: Checkpoint, engine: Engine, model: nn.Module, optimizer: t
     names = _names(runs)
     params = {name for run in runs for name in run.names}
     buffers = {n: b for n, b in model.state_dict().items() if n not in params and isinstance(b, torch.Tensor)}
-    keys = check_model(ckpt, runs, buffers, strict)
+    found = check_model(ckpt, [(run.names, tuple(run.shape)) for run in runs], buffers, strict)
+    keys = {id(run): key for run, key in zip(runs, found) if key is not None}
     states: dict[str, dict[str, str]] = {}
     held: set[int] = set()
     group_of: dict[int, dict[str, Any]] = {}
