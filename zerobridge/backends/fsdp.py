@@ -43,9 +43,10 @@ from zerobridge.backends.fsdp_apply import (
     plan_units, replace_optimizer_params, shard_group,
 )
 from zerobridge.backends.fsdp_plan import Assessment, assess, neutral, refuse
-from zerobridge.backends.fsdp_step import FsdpStepping, install_step_hooks, local
+from zerobridge.backends.fsdp_step import FsdpStepping, local
 from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.plan import EnginePlan, plan_engine
+from zerobridge.engine.step import install_optimizer_hooks
 from zerobridge.errors import ConfigError
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.report import Entry, Report
@@ -206,7 +207,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
         apply_activation_checkpointing(model, spec.wrapping)
     apply_fully_shard(model, cut, fully_shard_kwargs(assessment, plan, mesh))
     stepping = FsdpStepping(model, plan, shard_group(mesh))
-    install_step_hooks(stepping)
+    install_optimizer_hooks(stepping)
     cls = type(model)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroFsdpModule, cls), {"__module__": cls.__module__})

@@ -39,7 +39,7 @@ from zerobridge.engine.loss_scale import LossScaler, ScaleGrad
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.spec import GradSync
 
-__all__ = ["FsdpStepping", "install_step_hooks", "local"]
+__all__ = ["FsdpStepping", "local"]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -204,32 +204,3 @@ class FsdpStepping:
             self.awaiting.clear()
             return
         self.awaiting -= {id(p) for group in optimizer.param_groups for p in group["params"]}
-
-
-_CONTROLS: weakref.WeakSet[FsdpStepping] = weakref.WeakSet()
-_INSTALLED = False
-
-
-def install_step_hooks(control: FsdpStepping) -> None:
-    """Register ``control`` with the process-wide optimizer step hooks (installed once)."""
-    global _INSTALLED
-    _CONTROLS.add(control)
-    if _INSTALLED:
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-    stashes: dict[int, list[tuple[FsdpStepping, list[tuple[nn.Parameter, torch.Tensor | None]]]]] = {}
-
-    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        owners = [c for c in list(_CONTROLS) if not ids.isdisjoint(c.param_ids)]
-        if owners:
-            stashes[id(optimizer)] = [(c, c.before_step(optimizer)) for c in owners]
-
-    def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for control, hidden in stashes.pop(id(optimizer), []):
-            control.after_step(optimizer, hidden)
-
-    register_optimizer_step_pre_hook(pre)
-    register_optimizer_step_post_hook(post)
-    _INSTALLED = True

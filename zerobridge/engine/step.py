@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.swap import StateSwapper
 
-__all__ = ["StepControl", "install_optimizer_hooks", "raw_step"]
+__all__ = ["StepControl", "StepHooks", "install_optimizer_hooks", "raw_step"]
 
 Hidden = list[tuple[nn.Parameter, torch.Tensor | None]]
 
@@ -206,21 +206,34 @@ def raw_step(optimizer: torch.optim.Optimizer) -> None:
         _QUIET -= 1
 
 
-_CONTROLS: weakref.WeakSet[StepControl] = weakref.WeakSet()
+class StepHooks(Protocol):
+    """What the process-wide step hooks call: the native ``StepControl`` and other
+    backends' stepping objects (``zerobridge/backends/fsdp_step.py``)."""
+
+    param_ids: set[int]
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> Any: ...
+
+    def after_step(self, optimizer: torch.optim.Optimizer, stash: Any) -> None: ...
+
+
+_CONTROLS: weakref.WeakSet[StepHooks] = weakref.WeakSet()
 _INSTALLED = False
 
 
-def install_optimizer_hooks(control: StepControl) -> None:
-    """Register ``control`` with the process-wide optimizer step hooks."""
+def install_optimizer_hooks(control: StepHooks) -> None:
+    """Register ``control`` with the process-wide optimizer step hooks: before each
+    ``step()`` of an optimizer holding its parameters it gets ``before_step``, after
+    it ``after_step`` with what ``before_step`` returned."""
     global _INSTALLED
     _CONTROLS.add(control)
     if _INSTALLED:
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
     # Per optimizer a stack: a subclass's step calling a hooked super().step() nests.
-    stashes: dict[int, list[list[tuple[StepControl, Stash]]]] = {}
+    stashes: dict[int, list[list[tuple[StepHooks, Any]]]] = {}
 
-    def owners(optimizer: torch.optim.Optimizer) -> list[StepControl]:
+    def owners(optimizer: torch.optim.Optimizer) -> list[StepHooks]:
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [c for c in list(_CONTROLS) if not ids.isdisjoint(c.param_ids)]
 
