@@ -33,7 +33,9 @@ from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json, s
 from zerobridge.checkpoint.extras import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, Box, model_key, optim_state_key, param_group_key, rank_key, whole
 from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
-from zerobridge.checkpoint.sharded import check_model, group_keys, restore_groups, state_keys, state_to_param
+from zerobridge.checkpoint.sharded import (
+    check_model, group_keys, optimizer_params, restore_groups, state_keys, state_to_param,
+)
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
 
@@ -157,14 +159,7 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 
 def _held(optimizer: torch.optim.Optimizer | None, first: dict[int, str]) -> set[int]:
-    if optimizer is None:
-        return set()
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if held - set(first):
-        raise CheckpointError(f"the optimizer holds {len(held - set(first))} parameter(s) the prepared model does "
-                              "not own", key="optimizer",
-                              fix="build the optimizer from model.parameters() after zerobridge.prepare")
-    return held
+    return set() if optimizer is None else optimizer_params(optimizer, first)
 
 
 def _staged(ckpt: Checkpoint, key: str, box: Box, targets: list[Target]) -> torch.Tensor:

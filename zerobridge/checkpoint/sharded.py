@@ -34,7 +34,8 @@ from zerobridge.engine.access import (
 if TYPE_CHECKING:
     from zerobridge.engine.engine import Engine
 
-__all__ = ["check_model", "engine_pieces", "load_engine", "replicated_pieces", "restore_groups", "state_to_param"]
+__all__ = ["check_model", "engine_pieces", "load_engine", "optimizer_params", "replicated_pieces", "restore_groups",
+           "state_to_param"]
 
 STAGING_BYTES = 256 << 20
 """Staged values read before they are handed to the engine (one run at least)."""
@@ -56,7 +57,8 @@ def _names(runs: list[LocalRun]) -> dict[int, str]:
     return {id(run.param): run.names[0] for run in runs}
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> set[int]:
+def optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> set[int]:
+    """``id()`` of every parameter ``optimizer`` holds; an error if one is not in ``names`` (the model's)."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if held - set(names):
         raise CheckpointError(f"the optimizer holds {len(held - set(names))} parameter(s) the prepared model does "
@@ -72,7 +74,7 @@ def engine_pieces(engine: Engine, optimizer: torch.optim.Optimizer | None) -> tu
     dtype = engine.plan.master_dtype
     pieces: list[Piece] = []
     blobs: list[Blob] = []
-    held = _optimizer_params(optimizer, _names(runs)) if optimizer is not None else set()
+    held = optimizer_params(optimizer, _names(runs)) if optimizer is not None else set()
     for run in runs:
         if not run.writer:
             continue
@@ -256,7 +258,7 @@ def load_engine(ckpt: Checkpoint, engine: Engine, model: nn.Module, optimizer: t
     held: set[int] = set()
     group_of: dict[int, dict[str, Any]] = {}
     if optimizer is not None:
-        held = _optimizer_params(optimizer, names)
+        held = optimizer_params(optimizer, names)
         states = state_keys(ckpt)
         if not group_keys(ckpt) and strict:
             raise CheckpointError("holds no optimizer state", source=ckpt.source, key="optim",
