@@ -22,11 +22,15 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/zerobridge --version
 	touch $(STAMP)
 
+# The tiny GPT on 2 CPU processes: ZeRO stages 0-3 on the native engine, torch
+# FSDP2 and DeepSpeed, compared step by step (exit 1 if any run disagrees).
 demo: setup
-	$(BIN)/zerobridge demo
+	$(BIN)/zerobridge compare
 
+# The suite, then a short comparison as a CI gate would run it.
 test: setup
 	$(BIN)/python -m pytest -q tests
+	$(BIN)/zerobridge compare --stages 0 3 --steps 3
 
 clean:
 	rm -rf $(VENV) .cache build dist

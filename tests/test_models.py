@@ -150,3 +150,27 @@ def test_shards_concatenate_back() -> None:
 def test_module_doctests_run(name: str) -> None:
     result = doctest.testmod(sys.modules[name])
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_transition_table_is_drawn_in_blocks_with_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of rows draw the numbers one vocab x vocab draw would (the data never changes with the block
+    size), so a large vocabulary never materialises the whole table."""
+    import zerobridge.models.data as data
+
+    g = torch.Generator().manual_seed(data._mix(7, -1))
+    whole = torch.argsort(torch.rand(300, 300, generator=g), dim=1)[:, :4]
+    monkeypatch.setattr(data, "_BLOCK_ELEMENTS", 300 * 7)  # 7 rows per block, the last block short
+    assert torch.equal(SyntheticTokens(300, 8, seed=7).next_tokens, whole)
+
+
+def test_large_vocabulary_stays_small_in_memory() -> None:
+    """Vocab 16384 (the 100m preset): the peak while building stays far below the 3 GiB of a whole table."""
+    import subprocess
+
+    code = ("import resource, torch\n"
+            "from zerobridge.models.data import SyntheticTokens\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "SyntheticTokens(16384, 16, seed=0)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
+    grown_kib = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    assert grown_kib < 400 * 1024

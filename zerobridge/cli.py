@@ -10,9 +10,11 @@
     zerobridge run --nproc 4 --stage 3 train.py --lr 3e-4     # torchrun, strategy in $ZEROBRIDGE_CONFIG
     zerobridge checkpoint info ckpt/step-100                  # what a checkpoint holds; files verified
     zerobridge checkpoint consolidate ckpt/step-100 -o model.safetensors --dtype bf16
+    zerobridge compare                                        # tiny GPT: stages 0-3 on native, FSDP2, DeepSpeed
+    zerobridge compare --stages 3 --backends native fsdp --json result.json
 
-Exit codes: 0 success; 1 ``--strict`` saw an approximation, or ``diff`` found
-a difference; 2 bad input (the message names the file, key, line and fix);
+Exit codes: 0 success; 1 ``--strict`` saw an approximation, ``diff`` found
+a difference, or ``compare`` saw runs disagree; 2 bad input (the message names the file, key, line and fix);
 ``run`` exits with the launcher's code.
 """
 
@@ -81,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="the built-in example: a DeepSpeed config explained and converted")
 
     from zerobridge.checkpoint.cli import add_parser as add_checkpoint_parser
+    from zerobridge.compare.cli import add_parser as add_compare_parser
     from zerobridge.launch import add_run_arguments
 
     add_run_arguments(sub.add_parser(
@@ -88,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a training script under torch.distributed.run. Options before the script are "
                     "the launcher's; everything after it is passed to the script untouched."))
     add_checkpoint_parser(sub)
+    add_compare_parser(sub)
     return p
 
 
@@ -206,6 +210,12 @@ def _run(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from zerobridge.compare.cli import run
+
+    return run(args)
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from zerobridge.checkpoint.cli import run
 
@@ -213,7 +223,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo,
-             "run": _run, "checkpoint": _checkpoint}
+             "run": _run, "checkpoint": _checkpoint, "compare": _compare}
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -239,34 +239,30 @@ def _validate_fsdp(args: argparse.Namespace, spec: Any) -> None:
         from zerobridge.api import spec_for_stage
 
         spec = spec_for_stage(int(args.stage))
-    nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
-    nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
-    if spec is None or nproc is None or nnodes is None:
-        return
-    from zerobridge.backends.fsdp_plan import assess, refuse
-
-    try:
-        refuse(assess(spec, world_size=nproc * nnodes, local_world_size=nproc).approximations)
-    except ConfigError as exc:
-        raise ConfigError(exc.message, source=args.config or args.strategy or f"--stage {args.stage}", key=exc.key,
-                          fix="use --backend native or change the spec; a script that passes allow_approximate=True "
-                              "to zerobridge.prepare runs the closest FSDP2 form: start it with torchrun") from None
+    if spec is not None:
+        _preflight(args, spec)
 
 
 def _validate_deepspeed(args: argparse.Namespace, spec: Any) -> None:
-    """Refuse before launching what DeepSpeed cannot run exactly (``zerobridge.backends.deepspeed_config``);
-    checks that need the world size are skipped when the launcher cannot tell it."""
-    from zerobridge.backends.deepspeed_config import launch_problems, refusal
+    """Refuse before launching what DeepSpeed cannot run exactly; checks that need the
+    world size are skipped when the launcher cannot tell it."""
+    _preflight(args, spec)
+
+
+def _preflight(args: argparse.Namespace, spec: Any) -> None:
+    from zerobridge.backends.preflight import preflight
 
     nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
     nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
-    error, approximations = launch_problems(spec, world_size=nproc * nnodes if nproc and nnodes else None)
-    if error is None and approximations:
-        error = ConfigError(refusal(approximations).message, key=approximations[0].key,
-                            fix="use --backend native or change the spec; a script that passes allow_approximate=True "
-                                "to zerobridge.prepare runs DeepSpeed's closest form: start it with torchrun")
-    if error is not None:
-        raise ConfigError(error.message, source=args.config or args.strategy, key=error.key, fix=error.fix)
+    world = nproc * nnodes if nproc and nnodes else None
+    try:
+        preflight(args.backend, spec, world_size=world, local_world_size=nproc)
+    except ConfigError as exc:
+        source = args.config or args.strategy or (f"--stage {args.stage}" if args.stage is not None else None)
+        approximate = "allow_approximate" in (exc.fix or "")
+        fix = ("use --backend native or change the spec; a script that passes allow_approximate=True to "
+               "zerobridge.prepare runs the backend's closest form: start it with torchrun") if approximate else exc.fix
+        raise ConfigError(exc.message, source=source, key=exc.key, fix=fix) from None
 
 
 def torchrun_command(args: argparse.Namespace, *, python: str | None = None) -> list[str]:

@@ -28,6 +28,7 @@ from torch import Tensor
 __all__ = ["SyntheticTokens", "shard"]
 
 _MASK64 = (1 << 64) - 1
+_BLOCK_ELEMENTS = 1 << 22  # random draws per block of transition-table rows
 
 
 def _mix(seed: int, step: int) -> int:
@@ -58,10 +59,14 @@ class SyntheticTokens:
         self.seq_len = seq_len
         self.seed = seed
         g = torch.Generator().manual_seed(_mix(seed, -1))
-        # Distinct successors per row: the first `successors` of a random permutation.
-        # (clone: a view would keep the whole vocab x vocab permutation table alive)
-        self.next_tokens: Tensor = torch.argsort(torch.rand(vocab_size, vocab_size, generator=g), dim=1)[
-            :, :successors].clone()
+        # Distinct successors per row: the first `successors` of a random permutation. Rows are
+        # drawn in blocks (the same numbers as one vocab x vocab draw) so that a large vocabulary
+        # never holds the whole permutation table: 3 GiB at vocab 16384.
+        rows = max(1, _BLOCK_ELEMENTS // vocab_size)
+        self.next_tokens: Tensor = torch.cat([
+            torch.argsort(torch.rand(min(rows, vocab_size - start), vocab_size, generator=g), dim=1)[:, :successors]
+            .clone()
+            for start in range(0, vocab_size, rows)])
         weights = 0.5 ** torch.arange(successors, dtype=torch.float64)
         self.next_probs: Tensor = (weights / weights.sum()).expand(vocab_size, successors).contiguous()
 

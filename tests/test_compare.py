@@ -1,0 +1,259 @@
+"""``zerobridge compare``: planning, judging, reports, and real comparisons across backends.
+
+The unit tests build ``RunOutcome`` values by hand and need no process group.
+The distributed tests run the real command (each run in its own 2-process
+gloo group, as ``zerobridge compare`` always does) on a few stages and
+backends, and check the built-in model's losses against a single process.
+
+    .venv/bin/python -m pytest -q tests/test_compare.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerobridge.api import spec_for_stage
+from zerobridge.cli import main
+from zerobridge.compare import Comparison, Planned, RunOutcome, Skipped, plan
+from zerobridge.compare.report import relative
+from zerobridge.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+
+
+def outcome(name: str, losses: list[float], norms: list[float] | None = None, *, error: str | None = None,
+            stage: int = 3) -> RunOutcome:
+    backend, _, label = name.partition("/")
+    planned = Planned(name, backend, label, stage, spec_for_stage(stage), True)
+    return RunOutcome(planned=planned, world_size=2, losses=losses, grad_norms=norms or [1.0] * len(losses),
+                      step_times=[0.05, 0.01, 0.02, 0.03], comm_bytes={"all_gather": 2048.0, "reduce_scatter": 1024.0},
+                      model_state_bytes={"params": 100, "grads": 100, "optimizer": 200},
+                      formula_model_state_bytes=400, peak_rss_bytes=2**20, error=error)
+
+
+def comparison(*runs: RunOutcome, tolerance: float = 1e-5) -> Comparison:
+    return Comparison(runs=list(runs), skipped=[Skipped("fsdp", 1, "stage1", "ZeRO-1 has no FSDP form")],
+                      tolerance=tolerance, model="tiny-gpt", params=1000, world_size=2, steps=3)
+
+
+# --- judging --------------------------------------------------------------------------------------------
+
+
+def test_relative_deviation() -> None:
+    assert relative(2.0, 2.0) == 0.0
+    assert relative(2.5, 2.0) == pytest.approx(0.25)
+    assert relative(0.5, 0.0) == 0.5
+    assert relative(math.nan, 1.0) == math.inf and relative(1.0, math.inf) == math.inf
+
+
+def test_runs_within_tolerance_agree() -> None:
+    c = comparison(outcome("native/stage3", [3.0, 2.0, 1.0]), outcome("fsdp/stage3", [3.0, 2.0 * (1 + 5e-6), 1.0]))
+    assert c.ok and c.divergences == [] and c.max_deviation() == pytest.approx(5e-6)
+    assert c.verdict().startswith("OK: 2 run(s) agree with native/stage3")
+
+
+def test_first_divergent_step_and_metric_are_named() -> None:
+    c = comparison(outcome("native/stage3", [3.0, 2.0, 1.0]),
+                   outcome("deepspeed/stage3", [3.0, 2.0, 1.0], [1.0, 1.0 + 1e-3, 1.0]),
+                   outcome("fsdp/stage3", [3.0, 2.1, 1.0]))
+    assert not c.ok
+    first, second = c.divergences
+    assert (first.run, first.step, first.metric) == ("deepspeed/stage3", 1, "grad_norm")
+    assert (second.run, second.step, second.metric) == ("fsdp/stage3", 1, "loss")
+    assert "fsdp/stage3 diverges from native/stage3 at step 1: loss 2.1 vs 2" in c.verdict()
+
+
+def test_non_finite_loss_diverges() -> None:
+    c = comparison(outcome("native/stage3", [3.0, 2.0]), outcome("fsdp/stage3", [3.0, math.nan]))
+    assert [(d.run, d.step) for d in c.divergences] == [("fsdp/stage3", 1)]
+    assert c.to_json()["runs"][1]["losses"] == [3.0, None]  # JSON has no NaN
+    json.dumps(c.to_json(), allow_nan=False)
+
+
+def test_failed_run_fails_the_comparison_and_the_next_run_is_reference() -> None:
+    c = comparison(outcome("native/stage3", [], error="rank 1: RuntimeError: boom"),
+                   outcome("fsdp/stage3", [3.0, 2.0]), outcome("deepspeed/stage3", [3.0, 2.0]))
+    assert not c.ok and c.reference is not None and c.reference.planned.name == "fsdp/stage3"
+    assert "FAILED native/stage3: rank 1: RuntimeError: boom" in c.verdict()
+    assert c.to_json()["failed"] == [{"run": "native/stage3", "error": "rank 1: RuntimeError: boom"}]
+
+
+def test_json_has_the_documented_fields() -> None:
+    data = comparison(outcome("native/stage3", [3.0, 2.0, 1.0]), outcome("fsdp/stage3", [3.0, 2.0, 1.0])).to_json()
+    assert {"ok", "max_loss_deviation", "runs", "skipped"} <= set(data)
+    run = data["runs"][1]
+    assert {"name", "backend", "stage", "world_size", "losses", "grad_norms", "model_state_bytes", "peak_rss_bytes",
+            "comm_bytes", "step_time_s"} <= set(run)
+    assert set(run["model_state_bytes"]) == {"params", "grads", "optimizer"}
+    assert run["step_time_s"] == pytest.approx(0.02)  # the median after the first (warm-up) step, not 0.025
+    assert data["skipped"] == [{"backend": "fsdp", "stage": 1, "label": "stage1", "reason": "ZeRO-1 has no FSDP form"}]
+
+
+def test_terminal_and_markdown_tables() -> None:
+    c = comparison(outcome("native/stage3", [3.0, 2.0, 1.0]), outcome("fsdp/stage3", [3.0, 2.0, 1.0]))
+    text = c.render()
+    assert "native/stage3" in text and "AG 2.05 KB RS 1.02 KB" in text and "skipped fsdp/stage1" in text
+    md = c.markdown()
+    assert md.startswith("## zerobridge compare ✅") and "| `native/stage3` | `fsdp/stage3` |" in md
+    assert "| fsdp/stage3 | 3 | 1.000000 |" in md
+
+
+def test_plot_is_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from zerobridge.compare.plot import write_plot
+
+    target = write_plot(comparison(outcome("native/stage3", [3.0, 2.0, 1.0]), outcome("fsdp/stage3", [3.0, 2.0, 1.5])),
+                        tmp_path / "out" / "c.png")
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in target.parent.iterdir()] == ["c.png"]  # no temporary file left
+
+
+def test_plot_without_matplotlib_is_bad_input(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["compare", "--stages", "0", "--plot", str(tmp_path / "c.png")]) == 2
+    assert "pip install 'zerobridge[plot]'" in capsys.readouterr().err
+
+
+# --- planning and bad input -----------------------------------------------------------------------------
+
+
+def test_plan_groups_by_stage_and_skips_what_a_backend_cannot_express() -> None:
+    p = plan(stages=[0, 1, 2, 3], backends=["native", "fsdp", "deepspeed"], nproc=2, steps=2)
+    assert [r.name for r in p.runs] == ["native/stage0", "fsdp/stage0", "deepspeed/stage0", "native/stage1",
+                                        "deepspeed/stage1", "native/stage2", "deepspeed/stage2", "native/stage3",
+                                        "fsdp/stage3", "deepspeed/stage3"]
+    assert [(s.backend, s.stage) for s in p.comparison.skipped] == [("fsdp", 1), ("fsdp", 2)]
+    assert "ZeRO-1 has no FSDP form" in p.comparison.skipped[0].reason
+    assert p.params == 118_400 and p.optimizer == "adam"
+    approximate = plan(stages=[1], backends=["fsdp"], nproc=2, steps=2, allow_approximate=True)
+    assert [r.approximations for r in approximate.runs] == [("sharding",)]
+
+
+def test_plan_reads_configs(tmp_path: Path) -> None:
+    config = tmp_path / "ds_zero2.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    p = plan(stages=[], configs=[str(config), "zero3"], backends=["native"], nproc=2, steps=2)
+    assert [(r.name, r.stage, r.by_stage) for r in p.runs] == [("native/ds_zero2", 2, False),
+                                                              ("native/zero3", 3, False)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "4"], "a ZeRO stage is 0, 1, 2 or 3"),
+    (["--nproc", "3"], "does not split over 3 processes"),
+    (["--steps", "0"], "need at least one step"),
+    (["--model", "nope"], "neither the built-in model nor pkg.module:factory"),
+    (["--model", "tiny-gpt:1b"], "unknown preset '1b'"),
+    (["--model", "no_such_module_xyz:make"], "cannot import module 'no_such_module_xyz'"),
+    (["--model", "zerobridge.testing.parity:ParityNet"], "returned ParityNet, not a Workload"),
+    (["--model", "zerobridge.testing.workloads:parity_workload", "--global-batch", "4"], "built-in model only"),
+    (["--stages", "1", "2", "--backends", "fsdp"], "nothing to compare: every combination was skipped"),
+    (["--config", "missing.json"], "missing.json"),
+    (["--tolerance", "-1"], "non-negative"),
+    (["--clip", "-1"], "--clip -1.0: must be positive"),
+])
+def test_bad_input_exits_2_before_any_run(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "[1/" not in err
+
+
+def test_unwritable_output_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "--json", str(tmp_path)]) == 2  # a directory
+    assert "cannot write here" in capsys.readouterr().err
+
+
+def test_unknown_backend_is_an_argparse_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--backends", "megatron"])
+    assert exc.value.code == 2
+
+
+def test_plan_errors_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="named twice"):
+        plan(stages=[3, 3], backends=["native"], nproc=2, steps=1)
+
+
+# --- real runs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compare_agrees_across_backends_and_matches_one_process(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from zerobridge.testing.gpt import reference_gpt
+
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    code = main(["compare", "--stages", "1", "3", "--steps", "4", "--json", str(out), "--markdown", str(md)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["reference"] == "native/stage1"
+    assert [r["name"] for r in data["runs"]] == ["native/stage1", "deepspeed/stage1", "native/stage3", "fsdp/stage3",
+                                                 "deepspeed/stage3"]
+    assert [(s["backend"], s["stage"]) for s in data["skipped"]] == [("fsdp", 1)]
+    assert data["max_loss_deviation"] <= 1e-5
+    reference = reference_gpt(steps=4)  # one process, the whole batch, the same AdamW and clipping
+    for run in data["runs"]:
+        assert run["error"] is None and run["world_size"] == 2
+        assert run["losses"] == pytest.approx(reference.losses, rel=1e-5)
+        assert run["grad_norms"] == pytest.approx(reference.grad_norms, rel=1e-5)
+        assert run["peak_rss_bytes"] > run["baseline_rss_bytes"] > 0 and run["step_time_s"] > 0
+        assert len(run["step_times_s"]) == 4
+    native3 = data["runs"][2]
+    # native stage 3 holds the ZeRO formula 16P/N (tiny GPT: P = 118,400, N = 2): 4P/N of parameters and of
+    # gradients exactly, 8P/N of Adam moments plus AdamW's 4-byte step counter per parameter tensor ...
+    assert native3["formula_model_state_bytes"] == 16 * 118_400 // 2
+    held = native3["model_state_bytes"]
+    assert held["params"] == held["grads"] == 4 * 118_400 // 2
+    assert 0 < held["optimizer"] - 8 * 118_400 // 2 <= 4 * 40
+    # ... and moves parameters twice (forward, backward) and gradients once per step.
+    assert native3["comm_bytes"]["all_gather"] == 2 * native3["comm_bytes"]["reduce_scatter"] == 4 * 118_400
+    assert "[5/5] deepspeed/stage3" in captured.err and "skip fsdp/stage1" in captured.err
+    assert "OK: 5 run(s) agree" in captured.out and "built successfully" not in captured.out + captured.err
+    assert "| `native/stage1` |" in md.read_text()
+
+
+@pytest.mark.distributed
+def test_bf16_against_fp32_diverges_and_names_run_and_step(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bf16.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    out = tmp_path / "r.json"
+    out.write_text("earlier results\n")
+    code = main(["compare", "--stages", "3", "--config", str(config), "--backends", "native", "--steps", "2",
+                 "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "native/bf16 diverges from native/stage3 at step 0: loss" in captured.out
+    data = json.loads(out.read_text())
+    assert not data["ok"] and data["runs"][1]["diverged_at"]["step"] == 0
+    assert 1e-5 < data["max_loss_deviation"] < 2e-2  # bf16 rounding, not garbage
+    # the same runs pass with a bf16 tolerance
+    assert main(["compare", "--stages", "3", "--config", str(config), "--backends", "native", "--steps", "2",
+                 "--tolerance", "2e-2"]) == 0
+
+
+@pytest.mark.distributed
+def test_failed_run_is_reported_with_its_output_and_the_others_still_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["compare", "--model", "zerobridge.testing.workloads:faulty_workload", "--stages", "3",
+                 "--backends", "fsdp", "native", "--steps", "2", "--timeout", "60"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "FAILED fsdp/stage3: rank 1: RuntimeError: faulty_workload: rank 1 fails under fsdp" in captured.out
+    assert "[2/2] native/stage3" in captured.err and "2 steps in" in captured.err
+    log = Path(captured.out.split("(output: ")[1].split(")")[0].replace("*", "1"))
+    try:
+        assert "RuntimeError: faulty_workload: rank 1 fails under fsdp" in log.read_text()
+    finally:
+        shutil.rmtree(log.parent)

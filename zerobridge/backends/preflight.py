@@ -1,0 +1,71 @@
+"""Whether a backend can run a spec, decided before any process starts.
+
+    >>> from zerobridge.api import spec_for_stage
+    >>> from zerobridge.backends.preflight import preflight
+    >>> preflight("fsdp", spec_for_stage(3), world_size=2)
+    []
+    >>> try:
+    ...     preflight("fsdp", spec_for_stage(1), world_size=2)
+    ... except Exception as exc:
+    ...     print(exc.key)
+    sharding
+    >>> [e.key for e in preflight("fsdp", spec_for_stage(1), world_size=2, allow_approximate=True)]
+    ['sharding']
+
+``zerobridge run --backend`` and ``zerobridge compare`` ask here, so a spec
+a backend refuses is reported (or listed as skipped) with the same message
+``zerobridge.prepare`` would raise inside the workers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zerobridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zerobridge.spec import StrategySpec
+    from zerobridge.translate.report import Entry
+
+__all__ = ["preflight"]
+
+
+def preflight(backend: str, spec: StrategySpec, *, world_size: int | None, local_world_size: int | None = None,
+              allow_approximate: bool = False) -> list[Entry]:
+    """The approximations ``backend`` would run ``spec`` with at ``world_size`` ranks.
+
+    Raises ``ConfigError`` (naming the spec key and the fix) when the backend
+    refuses the spec outright, or when it would approximate and
+    ``allow_approximate`` is false. ``world_size=None``: the checks that need
+    it are skipped (the launcher cannot always tell).
+    """
+    if backend == "native":
+        return []
+    if backend == "fsdp":
+        return _fsdp(spec, world_size, local_world_size, allow_approximate)
+    if backend == "deepspeed":
+        return _deepspeed(spec, world_size, allow_approximate)
+    raise ConfigError(f"unknown backend {backend!r}", key="backend", fix="choose native, fsdp or deepspeed")
+
+
+def _fsdp(spec: StrategySpec, world_size: int | None, local_world_size: int | None,
+          allow_approximate: bool) -> list[Entry]:
+    if world_size is None:
+        return []
+    from zerobridge.backends.fsdp_plan import assess, refuse
+
+    found = assess(spec, world_size=world_size, local_world_size=local_world_size or world_size).approximations
+    if not allow_approximate:
+        refuse(found)
+    return found
+
+
+def _deepspeed(spec: StrategySpec, world_size: int | None, allow_approximate: bool) -> list[Entry]:
+    from zerobridge.backends.deepspeed_config import launch_problems, refusal
+
+    error, found = launch_problems(spec, world_size=world_size)
+    if error is not None:
+        raise error
+    if found and not allow_approximate:
+        raise refusal(found)
+    return found

@@ -1,0 +1,140 @@
+"""``compare``: the same training on several stages and backends, side by side.
+
+    >>> from zerobridge.compare import compare
+    >>> result = compare(stages=[3], backends=["native"], nproc=1, steps=2)  # doctest: +SKIP
+    >>> result.ok, result.runs[0].planned.name                               # doctest: +SKIP
+    (True, 'native/stage3')
+
+``zerobridge compare`` is this function plus output files; ``bench/`` calls
+it too. Every input is checked before a process starts (``ConfigError``
+naming the argument and the fix); a run that then fails or diverges is a
+result, reported in the ``Comparison``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerobridge.backends.base import BACKENDS
+from zerobridge.compare.report import Comparison
+from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
+from zerobridge.compare.workload import BUILTIN, resolve_model
+from zerobridge.errors import ConfigError
+
+__all__ = ["Plan", "compare", "plan", "run_plan"]
+
+STAGES = (0, 1, 2, 3)
+
+
+def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: int, tolerance: float) -> None:
+    for stage in stages:
+        if stage not in STAGES:
+            raise ConfigError(f"--stages {stage}: a ZeRO stage is 0, 1, 2 or 3", key="--stages")
+    for backend in backends:
+        if backend not in BACKENDS:
+            raise ConfigError(f"--backends {backend}: unknown backend", key="--backends",
+                              fix=f"choose from {', '.join(BACKENDS)}")
+    if len(set(backends)) != len(backends) or len(set(stages)) != len(stages):
+        raise ConfigError("a stage or backend is named twice", key="--stages/--backends", fix="name each once")
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: need at least one process", key="--nproc")
+    if steps < 1:
+        raise ConfigError(f"--steps {steps}: need at least one step", key="--steps")
+    if not tolerance >= 0:
+        raise ConfigError(f"--tolerance {tolerance}: must be a non-negative number", key="--tolerance")
+
+
+def _optimizer_kind(optimizer: object) -> str | None:
+    import torch
+
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD) and all(g.get("momentum") for g in optimizer.param_groups):
+        return "sgd"
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked comparison, before any run."""
+
+    comparison: Comparison
+    """Empty runs; the skipped pairs filled in."""
+    runs: list[Planned]
+    params: int
+    """Trainable parameters of the model (a tied weight once)."""
+    optimizer: str | None
+    """``adam`` or ``sgd`` (with momentum) for the ZeRO formulas; None for other optimizers."""
+    model: str
+    global_batch: int | None
+    seq_len: int | None
+    seed: int
+    allow_approximate: bool
+
+
+def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
+         backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
+         global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5, seed: int = 0,
+         allow_approximate: bool = False) -> Plan:
+    """Check the inputs, build the workload once (in this process) and plan the runs."""
+    chosen_stages = list(STAGES if stages is None and not configs else stages or [])
+    _check(chosen_stages, list(backends), nproc, steps, tolerance)
+    work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
+    if work.global_batch % nproc:
+        raise ConfigError(f"the global batch of {work.global_batch} rows does not split over {nproc} processes",
+                          key="--nproc", fix="choose a --nproc that divides it, or change --global-batch")
+    params = sum(p.numel() for p in work.model.parameters() if p.requires_grad)
+    kind = _optimizer_kind(work.optimizer(work.model))
+    runs, skipped = plan_runs(stages=chosen_stages, configs=configs, backends=backends, world_size=nproc,
+                              allow_approximate=allow_approximate)
+    if not runs:
+        raise ConfigError("nothing to compare: every combination was skipped", key="--backends",
+                          fix="; ".join(f"{s.backend}/{s.label}: {s.reason}" for s in skipped) or None)
+    comparison = Comparison(runs=[], skipped=skipped, tolerance=tolerance, model=model, params=params,
+                            world_size=nproc, steps=steps)
+    return Plan(comparison, runs, params, kind, model, global_batch, seq_len, seed, allow_approximate)
+
+
+def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
+    from zerobridge.explain import explain
+
+    if optimizer is None:
+        return
+    told = explain(outcome.planned.spec, params=params, world_size=outcome.world_size, optimizer=optimizer)
+    outcome.formula_model_state_bytes = told.model_state_bytes
+    outcome.formula_comm_bytes = told.comm_bytes_per_step
+
+
+def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
+            backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
+            global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
+            clip: float | None = 1.0, seed: int = 0, allow_approximate: bool = False, timeout_s: float = 900.0,
+            progress: Callable[[int, int, RunOutcome], None] | None = None) -> Comparison:
+    """Train ``model`` for ``steps`` steps on every stage (default 0-3 when no ``configs``) and
+    config, on every backend, each in a fresh group of ``nproc`` processes; compare the runs.
+
+    ``progress(index, total, outcome)`` is called after each run.
+    """
+    planned = plan(stages=stages, configs=configs, backends=backends, nproc=nproc, steps=steps, model=model,
+                   global_batch=global_batch, seq_len=seq_len, tolerance=tolerance, seed=seed,
+                   allow_approximate=allow_approximate)
+    return run_plan(planned, clip=clip, timeout_s=timeout_s, progress=progress)
+
+
+def run_plan(planned: Plan, *, clip: float | None = 1.0, timeout_s: float = 900.0,
+             progress: Callable[[int, int, RunOutcome], None] | None = None) -> Comparison:
+    """Execute a ``plan`` and fill its comparison in."""
+    comparison = planned.comparison
+
+    def report(index: int, outcome: RunOutcome) -> None:
+        _formulas(outcome, planned.params, planned.optimizer)
+        if progress is not None:
+            progress(index, len(planned.runs), outcome)
+
+    comparison.runs = execute(planned.runs, model=planned.model, global_batch=planned.global_batch,
+                              seq_len=planned.seq_len, world_size=comparison.world_size, steps=comparison.steps,
+                              seed=planned.seed, clip=clip, allow_approximate=planned.allow_approximate,
+                              timeout_s=timeout_s, progress=report)
+    return comparison

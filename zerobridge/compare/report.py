@@ -1,0 +1,256 @@
+"""Judge a comparison and write it out: terminal table, JSON, Markdown.
+
+    >>> from zerobridge.compare.report import relative
+    >>> relative(2.0, 2.0), relative(3.0, 2.0), relative(1.0, 0.0)
+    (0.0, 0.5, 1.0)
+
+The first run that finished is the reference. Every other run is compared
+with it step by step, in loss and in the global gradient norm before
+clipping, relative to the reference's value; a run *diverges* at the first
+step where either differs by more than the tolerance, or is not finite. A
+comparison is ``ok`` when no run diverged and none failed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from zerobridge.compare.runner import RunOutcome, Skipped
+from zerobridge.explain import format_bytes
+
+__all__ = ["Comparison", "Divergence", "relative"]
+
+_KINDS = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
+
+
+def relative(value: float, reference: float) -> float:
+    """``|value - reference| / |reference|`` (absolute when the reference is 0; inf when either is not finite)."""
+    if not (math.isfinite(value) and math.isfinite(reference)):
+        return math.inf
+    scale = abs(reference) if reference else 1.0
+    return abs(value - reference) / scale
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a run first left the reference."""
+
+    run: str
+    step: int
+    metric: str
+    """``loss`` or ``grad_norm``."""
+    value: float
+    reference: float
+    deviation: float
+
+    def describe(self, reference_name: str, tolerance: float) -> str:
+        """One line naming the run, the step and the numbers."""
+        return (f"{self.run} diverges from {reference_name} at step {self.step}: {self.metric} {self.value:.8g} vs "
+                f"{self.reference:.8g} (relative {self.deviation:.2e} > tolerance {tolerance:g})")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class Comparison:
+    """Every run of one ``zerobridge compare``, and what was skipped."""
+
+    runs: list[RunOutcome]
+    skipped: list[Skipped]
+    tolerance: float
+    model: str
+    params: int
+    world_size: int
+    steps: int
+
+    @property
+    def reference(self) -> RunOutcome | None:
+        """The first run that finished."""
+        return next((r for r in self.runs if r.error is None), None)
+
+    def deviations(self, run: RunOutcome, metric: str = "loss") -> list[float]:
+        """Per step, ``run``'s relative deviation from the reference."""
+        ref = self.reference
+        if ref is None or run.error is not None:
+            return []
+        ours, theirs = (run.losses, ref.losses) if metric == "loss" else (run.grad_norms, ref.grad_norms)
+        return [relative(a, b) for a, b in zip(ours, theirs)]
+
+    def divergence(self, run: RunOutcome) -> Divergence | None:
+        """The first step where ``run`` leaves the reference by more than the tolerance."""
+        ref = self.reference
+        if ref is None or run.error is not None:
+            return None
+        for step in range(len(ref.losses)):
+            for metric, ours, theirs in (("loss", run.losses, ref.losses), ("grad_norm", run.grad_norms,
+                                                                              ref.grad_norms)):
+                if step >= len(ours):
+                    return Divergence(run.planned.name, step, metric, math.nan, theirs[step], math.inf)
+                deviation = relative(ours[step], theirs[step])
+                if deviation > self.tolerance:
+                    return Divergence(run.planned.name, step, metric, ours[step], theirs[step], deviation)
+        return None
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        """Every diverging run's first divergence, in run order."""
+        return [d for d in (self.divergence(r) for r in self.runs) if d is not None]
+
+    @property
+    def failed(self) -> list[RunOutcome]:
+        """Runs that did not finish."""
+        return [r for r in self.runs if r.error is not None]
+
+    @property
+    def ok(self) -> bool:
+        """Every run finished and agrees with the reference within the tolerance."""
+        return bool(self.runs) and not self.failed and not self.divergences
+
+    def max_deviation(self, metric: str = "loss") -> float:
+        """The largest relative deviation over all runs and steps."""
+        return max((d for r in self.runs for d in self.deviations(r, metric)), default=0.0)
+
+    def verdict(self) -> str:
+        """One line for people, and a line per problem."""
+        ref = self.reference
+        lines = [f"FAILED {r.planned.name}: {r.error}" for r in self.failed]
+        lines += [d.describe(ref.planned.name if ref else "?", self.tolerance) for d in self.divergences]
+        if lines:
+            return "\n".join(["zerobridge compare: runs disagree", *lines])
+        return (f"OK: {len(self.runs)} run(s) agree with {ref.planned.name if ref else '-'} within "
+                f"{self.tolerance:g} over {self.steps} steps (max loss deviation {self.max_deviation():.2e}, "
+                f"max grad-norm deviation {self.max_deviation('grad_norm'):.2e})")
+
+    # --- JSON -------------------------------------------------------------------------------------------
+
+    def run_json(self, run: RunOutcome) -> dict[str, Any]:
+        """One run as JSON-compatible data (non-finite numbers become null)."""
+        loss_dev = self.deviations(run)
+        norm_dev = self.deviations(run, "grad_norm")
+        diverged = self.divergence(run)
+        return {
+            "name": run.planned.name, "backend": run.planned.backend, "stage": run.planned.stage,
+            "label": run.planned.label, "world_size": run.world_size,
+            "losses": [_finite(x) for x in run.losses], "grad_norms": [_finite(x) for x in run.grad_norms],
+            "loss_deviation": [_finite(x) for x in loss_dev],
+            "max_loss_deviation": _finite(max(loss_dev, default=0.0)),
+            "max_grad_norm_deviation": _finite(max(norm_dev, default=0.0)),
+            "model_state_bytes": dict(run.model_state_bytes),
+            "formula_model_state_bytes": run.formula_model_state_bytes,
+            "tier_bytes": dict(run.tier_bytes),
+            "peak_rss_bytes": run.peak_rss_bytes, "baseline_rss_bytes": run.baseline_rss_bytes,
+            "comm_bytes": {k: round(v) for k, v in run.comm_bytes.items()},
+            "formula_comm_bytes": run.formula_comm_bytes,
+            "step_time_s": _finite(run.step_time_s), "step_times_s": list(run.step_times),
+            "approximations": [*run.planned.approximations],
+            "diverged_at": None if diverged is None else {"step": diverged.step, "metric": diverged.metric,
+                                                          "deviation": _finite(diverged.deviation)},
+            "error": run.error, "wall_s": round(run.wall_s, 3),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole comparison (the schema ``docs/compare.md`` lists)."""
+        ref = self.reference
+        return {
+            "ok": self.ok, "max_loss_deviation": _finite(self.max_deviation()),
+            "max_grad_norm_deviation": _finite(self.max_deviation("grad_norm")),
+            "tolerance": self.tolerance, "reference": ref.planned.name if ref else None,
+            "model": self.model, "params": self.params, "world_size": self.world_size, "steps": self.steps,
+            "runs": [self.run_json(r) for r in self.runs],
+            "skipped": [{"backend": s.backend, "stage": s.stage, "label": s.label, "reason": s.reason}
+                        for s in self.skipped],
+            "divergences": [{"run": d.run, "step": d.step, "metric": d.metric, "value": _finite(d.value),
+                             "reference": d.reference, "deviation": _finite(d.deviation)} for d in self.divergences],
+            "failed": [{"run": r.planned.name, "error": r.error} for r in self.failed],
+        }
+
+    # --- tables -----------------------------------------------------------------------------------------
+
+    def _rows(self) -> list[list[str]]:
+        rows = []
+        ref = self.reference
+        for run in self.runs:
+            name = run.planned.name + (" ~" if run.planned.approximations else "")
+            if run.error is not None:
+                rows.append([name, str(run.planned.stage), "failed", "", "", "", "", "", "", ""])
+                continue
+            state = run.model_state_bytes
+            total = sum(state.values())
+            formula = run.formula_model_state_bytes
+            comm = " ".join(f"{_KINDS.get(k, k)} {format_bytes(round(v))}" for k, v in sorted(run.comm_bytes.items()))
+            dev = "ref" if run is ref else f"{max(self.deviations(run), default=0.0):.1e}"
+            norm = "ref" if run is ref else f"{max(self.deviations(run, 'grad_norm'), default=0.0):.1e}"
+            rows.append([name, str(run.planned.stage), f"{run.losses[-1]:.6f}" if run.losses else "-", dev, norm,
+                         f"{format_bytes(state.get('params', 0))} / {format_bytes(state.get('grads', 0))} / "
+                         f"{format_bytes(state.get('optimizer', 0))}",
+                         f"{total / formula:.3f}" if formula else "-",
+                         format_bytes(run.peak_rss_bytes), comm or "-", f"{run.step_time_s * 1e3:.1f}"])
+        return rows
+
+    _HEAD = ["run", "stage", "final loss", "loss dev", "norm dev", "state/rank: params / grads / optim",
+             "vs formula", "peak RSS", "comm/step/rank", "step ms"]
+
+    def _steps(self) -> list[list[str]]:
+        ref = self.reference
+        if ref is None:
+            return []
+        rows = []
+        for step in range(len(ref.losses)):
+            worst, name = 0.0, "-"
+            for run in self.runs:
+                devs = self.deviations(run)
+                if run is not ref and step < len(devs) and devs[step] > worst:
+                    worst, name = devs[step], run.planned.name
+            rows.append([str(step), f"{ref.losses[step]:.6f}", f"{ref.grad_norms[step]:.6f}", f"{worst:.1e}", name])
+        return rows
+
+    def render(self) -> str:
+        """The terminal report: runs, skipped pairs, per-step agreement, verdict."""
+        out = [f"{self.model}: {self.params:,} parameters, world {self.world_size}, {self.steps} steps", "",
+               _table(self._HEAD, self._rows())]
+        if any(r.planned.approximations for r in self.runs):
+            out.append("~ runs approximately: " + "; ".join(f"{r.planned.name}: {', '.join(r.planned.approximations)}"
+                                                          for r in self.runs if r.planned.approximations))
+        out += [f"skipped {s.backend}/{s.label}: {s.reason}" for s in self.skipped]
+        if len(self.runs) > 1 and self.reference is not None:
+            out += ["", f"per step, against {self.reference.planned.name}:",
+                    _table(["step", "loss", "grad norm", "max loss dev", "worst run"], self._steps())]
+        out += ["", self.verdict()]
+        return "\n".join(out) + "\n"
+
+    def markdown(self) -> str:
+        """The report as Markdown (a CI job summary)."""
+        mark = "✅" if self.ok else "❌"
+        out = [f"## zerobridge compare {mark}", "",
+               f"`{self.model}`, {self.params:,} parameters, world size {self.world_size}, {self.steps} steps, "
+               f"tolerance {self.tolerance:g} (relative, against `{self.reference.planned.name if self.reference else '-'}`)",
+               "", _markdown_table(self._HEAD, self._rows()), ""]
+        if self.skipped:
+            out += ["**Skipped** (the backend cannot express the spec):", ""]
+            out += [f"- `{s.backend}/{s.label}`: {s.reason}" for s in self.skipped] + [""]
+        out += ["```", self.verdict(), "```", ""]
+        done = [r for r in self.runs if r.error is None]
+        if done:
+            head = ["step", *[f"`{r.planned.name}`" for r in done]]
+            rows = [[str(i), *[f"{r.losses[i]:.7f}" if i < len(r.losses) else "-" for r in done]]
+                    for i in range(max(len(r.losses) for r in done))]
+            out += ["<details><summary>Loss per step</summary>", "", _markdown_table(head, rows), "", "</details>", ""]
+        return "\n".join(out)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""Plan the runs of a comparison, start a fresh process group for each, merge what the ranks measured.
+
+    >>> from zerobridge.compare.runner import plan_runs
+    >>> runs, skipped = plan_runs(stages=[0, 3], configs=[], backends=["native", "fsdp"], world_size=2)
+    >>> [r.name for r in runs]
+    ['native/stage0', 'fsdp/stage0', 'native/stage3', 'fsdp/stage3']
+    >>> runs, skipped = plan_runs(stages=[1], configs=[], backends=["native", "fsdp"], world_size=2)
+    >>> [r.name for r in runs], [(s.backend, s.stage) for s in skipped]
+    (['native/stage1'], [('fsdp', 1)])
+
+Each run gets its own ``Cluster`` (spawned processes, one default group),
+torn down before the next starts: peak memory is then the run's own, and
+nothing a backend changes process-wide (DeepSpeed stage 3 replaces
+``torch.nn.functional.linear``) reaches the next run. A run that fails is
+reported with its ranks' last error line and the path of what its ranks
+printed (kept only for failed runs); the others still run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zerobridge.compare.worker import RankRecord
+from zerobridge.errors import ConfigError
+from zerobridge.spec import StrategySpec
+
+__all__ = ["Planned", "RunOutcome", "Skipped", "execute", "plan_runs"]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One (spec, backend) pair to run."""
+
+    name: str
+    """``backend/label``, e.g. ``deepspeed/stage2`` or ``fsdp/ds_zero3`` (a config's file stem)."""
+    backend: str
+    label: str
+    """``stageN`` or the config's file stem."""
+    stage: int
+    """The spec's ZeRO stage."""
+    spec: StrategySpec
+    """For a stage, ``spec_for_stage(N)`` without the model: the ranks ask ``prepare(stage=N)``,
+    which also picks the wrap units from the model (per layer when it names its layers)."""
+    by_stage: bool
+    """Whether the ranks pass ``stage=`` (True) or ``config=spec`` (False) to ``prepare``."""
+    approximations: tuple[str, ...] = ()
+    """Spec keys the backend runs approximately (only with ``allow_approximate``)."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A pair the backend cannot express, with its reason."""
+
+    backend: str
+    stage: int
+    label: str
+    reason: str
+
+
+@dataclass
+class RunOutcome:
+    """One finished (or failed) run, merged over its ranks."""
+
+    planned: Planned
+    world_size: int
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    """Bytes per collective kind per step: the median over the measured steps, the largest rank's."""
+    model_state_bytes: dict[str, int] = field(default_factory=dict)
+    """``params``, ``grads``, ``optimizer``: the largest rank's."""
+    tier_bytes: dict[str, int] = field(default_factory=dict)
+    formula_model_state_bytes: int | None = None
+    """What ``zerobridge explain`` says a rank holds (Adam-type optimizers only)."""
+    formula_comm_bytes: int | None = None
+    """What ``zerobridge explain`` says a rank moves per step (Adam-type optimizers only)."""
+    peak_rss_bytes: int = 0
+    """The largest rank's high-water resident set."""
+    baseline_rss_bytes: int = 0
+    approximations: list[dict[str, str]] = field(default_factory=list)
+    error: str | None = None
+    """Why the run failed (None when it finished)."""
+    wall_s: float = 0.0
+    """Seconds from starting the processes to the last result."""
+
+    @property
+    def step_time_s(self) -> float:
+        """Median step time, leaving out the first step (warm-up) when there are three or more."""
+        times = self.step_times[1:] if len(self.step_times) >= 3 else self.step_times
+        return statistics.median(times) if times else float("nan")
+
+
+def _labelled(stages: Sequence[int], configs: Sequence[str | Path]) -> list[tuple[str, StrategySpec, bool]]:
+    from zerobridge.api import spec_for_stage
+    from zerobridge.loading import load
+
+    specs = [(f"stage{s}", spec_for_stage(s), True) for s in stages]
+    seen = {label for label, _, _ in specs}
+    for config in configs:
+        label = Path(config).stem if Path(config).suffix else str(config)
+        while label in seen:
+            label += "'"
+        seen.add(label)
+        specs.append((label, load(config).value, False))
+    return specs
+
+
+def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends: Sequence[str], world_size: int,
+              allow_approximate: bool = False) -> tuple[list[Planned], list[Skipped]]:
+    """Every stage and config on every backend, grouped by spec in the order given; what a
+    backend cannot express at ``world_size`` is skipped with the reason. A config that does
+    not load raises ``ConfigError``."""
+    from zerobridge.backends.preflight import preflight
+
+    runs: list[Planned] = []
+    skipped: list[Skipped] = []
+    for label, spec, by_stage in _labelled(stages, configs):
+        stage = spec.sharding.stage.value
+        for backend in backends:
+            try:
+                found = preflight(backend, spec, world_size=world_size, allow_approximate=allow_approximate)
+            except ConfigError as exc:
+                reason = f"{exc.key}: {exc.message}" if exc.key else exc.message
+                skipped.append(Skipped(backend, stage, label, reason))
+                continue
+            runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage, tuple(e.key for e in found)))
+    return runs, skipped
+
+
+def _merge(planned: Planned, records: list[RankRecord], world_size: int) -> RunOutcome:
+    first = records[0]
+    measured = range(1, len(first.comm_bytes)) if len(first.comm_bytes) >= 3 else range(len(first.comm_bytes))
+    kinds = sorted({k for r in records for step in r.comm_bytes for k in step})
+    comm = {k: max(statistics.median([r.comm_bytes[i].get(k, 0) for i in measured]) for r in records)
+            for k in kinds} if measured else {}
+    return RunOutcome(
+        planned=planned, world_size=world_size, losses=first.losses, grad_norms=first.grad_norms,
+        step_times=first.step_times, comm_bytes={k: float(v) for k, v in comm.items() if v},
+        model_state_bytes={k: max(r.model_state_bytes.get(k, 0) for r in records) for k in first.model_state_bytes},
+        tier_bytes={k: max(r.tier_bytes.get(k, 0) for r in records) for k in first.tier_bytes},
+        peak_rss_bytes=max(r.peak_rss_bytes for r in records),
+        baseline_rss_bytes=max(r.baseline_rss_bytes for r in records),
+        approximations=first.approximations)
+
+
+def _last_error(exc: Exception) -> str:
+    tracebacks: dict[int, str] = getattr(exc, "tracebacks", {})
+    for rank, text in sorted(tracebacks.items()):
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        if lines:
+            return f"rank {rank}: {lines[-1].strip()}"
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def worker_env() -> dict[str, str]:
+    """What the ranks need beyond the parent's environment: DeepSpeed's CPU accelerator on a
+    machine without CUDA (DeepSpeed would otherwise probe for one)."""
+    import torch
+
+    env: dict[str, str] = {}
+    if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, seq_len: int | None,
+            world_size: int, steps: int, seed: int = 0, clip: float | None = 1.0,
+            allow_approximate: bool = False, timeout_s: float = 900.0,
+            progress: Callable[[int, RunOutcome], None] | None = None) -> list[RunOutcome]:
+    """Run each planned pair in a fresh process group of ``world_size`` ranks."""
+    import time
+
+    import torch
+
+    from zerobridge.testing.cluster import Cluster
+
+    group = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    logs = Path(tempfile.mkdtemp(prefix="zerobridge-compare-"))
+    outcomes: list[RunOutcome] = []
+    for index, run in enumerate(runs):
+        start = time.perf_counter()
+        log = logs / run.name.replace("/", "-")
+        kwargs: dict[str, Any] = dict(log=str(log), model=model, global_batch=global_batch, seq_len=seq_len,
+                                      choice={"stage": run.stage} if run.by_stage else {"config": run.spec},
+                                      backend=run.backend, steps=steps, seed=seed, clip=clip,
+                                      allow_approximate=allow_approximate)
+        try:
+            with Cluster(world_size, timeout_s=timeout_s, backend=group, env=worker_env()) as cluster:
+                records = cluster.run("zerobridge.compare.worker:train", **kwargs)
+            outcome = _merge(run, [r for r in records if isinstance(r, RankRecord)], world_size)
+        except Exception as exc:  # a failed run is a result: report it, go on with the others
+            outcome = RunOutcome(planned=run, world_size=world_size,
+                                 error=f"{_last_error(exc)} (output: {log}.rank*.log)")
+        else:
+            for rank in range(world_size):
+                Path(f"{log}.rank{rank}.log").unlink(missing_ok=True)
+        outcome.wall_s = time.perf_counter() - start
+        outcomes.append(outcome)
+        if progress is not None:
+            progress(index, outcome)
+    if not any(logs.iterdir()):
+        logs.rmdir()
+    return outcomes

@@ -1,0 +1,182 @@
+"""One compare run, on every rank of a fresh process group.
+
+``train`` is what ``zerobridge compare`` asks each rank of a
+``Cluster`` to do (``Cluster.run("zerobridge.compare.worker:train", ...)``):
+build the workload, ``zerobridge.prepare`` it with the backend under test,
+and train with the loop every user writes (``loss.backward()``,
+``zerobridge.clip_grad_norm_``, ``optimizer.step()``,
+``optimizer.zero_grad()``), measuring each step. A rank returns a
+``RankRecord``; the parent merges them (``zerobridge.compare.runner``).
+
+Timing: the ranks meet at a barrier, then the clock runs over forward,
+backward, clipping, the optimizer step and ``zero_grad`` (not over reading
+the statistics); a step's time is the slowest rank's. Model-state bytes are
+read from ``zerobridge.stats`` after clipping and again after the step, the
+larger of each kept; the collectives are counted from a ``reset_stats`` at
+the top of each step to the end of ``optimizer.step()``. Peak memory is the
+process's high-water resident set (``VmHWM``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankRecord", "peak_rss_bytes", "rss_bytes", "train"]
+
+
+@dataclass
+class RankRecord:
+    """What one rank measured in one run."""
+
+    losses: list[float] = field(default_factory=list)
+    """Per step: the mean loss over the global batch (the same on every rank)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Per step: the global gradient norm before clipping."""
+    step_times: list[float] = field(default_factory=list)
+    """Per step: seconds, the slowest rank's."""
+    comm_bytes: list[dict[str, int]] = field(default_factory=list)
+    """Per step: this rank's bytes per collective kind (bus volume, as ``zerobridge.stats``)."""
+    model_state_bytes: dict[str, int] = field(default_factory=dict)
+    """``params``, ``grads``, ``optimizer``: the most this rank held of each, read after
+    backward and after the step (a backend may free gradients in its step)."""
+    tier_bytes: dict[str, int] = field(default_factory=dict)
+    """Model state by where it lives: ``device``, ``host``, ``nvme``."""
+    peak_rss_bytes: int = 0
+    """This process's high-water resident set at the end."""
+    baseline_rss_bytes: int = 0
+    """This process's resident set before the model was built (imports, the process group)."""
+    approximations: list[dict[str, str]] = field(default_factory=list)
+    """What the backend ran approximately (``allow_approximate``)."""
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux; 0 elsewhere)."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water resident set."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextmanager
+def _output_to(path: str | None) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors, so C++ and child output too) to ``path``."""
+    if path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for handle in (fd, *saved):
+            os.close(handle)
+
+
+def train(*, log: str | None = None, **kwargs: Any) -> RankRecord:
+    """Train one run on this rank (``_train``'s arguments); with ``log``, everything the rank
+    prints (DeepSpeed's build lines, warnings) goes to ``{log}.rank{r}.log``."""
+    with _output_to(None if log is None else f"{log}.rank{dist.get_rank()}.log"):
+        try:
+            return _train(**kwargs)
+        except BaseException:
+            traceback.print_exc()  # into the log, beside what led to it
+            raise
+
+
+def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice: dict[str, Any], backend: str,
+           steps: int, seed: int, clip: float | None, allow_approximate: bool) -> RankRecord:
+    """Train ``steps`` steps of ``model`` (a ``--model`` reference) on ``backend``; ``choice`` is
+    ``{"stage": N}`` or ``{"config": spec}``, passed on to ``zerobridge.prepare``."""
+    import zerobridge
+    from zerobridge.compare.workload import resolve_model
+    from zerobridge.models import shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    record = RankRecord(baseline_rss_bytes=rss_bytes())
+    torch.manual_seed(seed)
+    work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
+    device = _device()
+    net = work.model.to(device)
+    optimizer = work.optimizer(net)
+    net, optimizer = zerobridge.prepare(net, optimizer, **choice, backend=backend,
+                                        allow_approximate=allow_approximate)
+    max_norm = clip if clip else math.inf  # an infinite bound measures the norm and scales by exactly 1
+    held: dict[str, int] = {}
+    for step in range(steps):
+        rows = tuple(shard(t, rank, world).to(device) for t in work.batch(step))
+        zerobridge.reset_stats(net)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = work.loss(net, rows)
+        loss.backward()
+        norm = zerobridge.clip_grad_norm_(net, max_norm)
+        spent = time.perf_counter() - start
+        before = zerobridge.stats(net)  # gradients at their largest: backward done, step not yet taken
+        start = time.perf_counter()
+        optimizer.step()
+        spent += time.perf_counter() - start
+        stats = zerobridge.stats(net)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        spent += time.perf_counter() - start
+        for key, name in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer")):
+            held[name] = max(held.get(name, 0), int(before[key]), int(stats[key]))
+        elapsed = torch.tensor([spent], dtype=torch.float64)
+        total = loss.detach().float().reshape(1).cpu()
+        if device.type == "cuda":
+            elapsed, total = elapsed.to(device), total.to(device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total)
+        record.losses.append(total.item() / world)
+        record.grad_norms.append(float(norm))
+        record.step_times.append(elapsed.item())
+        record.comm_bytes.append({k: int(v) for k, v in stats["comm_bytes"].items()})
+    record.model_state_bytes = held
+    record.tier_bytes = {k: int(v) for k, v in stats.get("tier_bytes", {}).items()}
+    record.approximations = list(stats.get("approximations", []))
+    record.peak_rss_bytes = peak_rss_bytes()
+    return record
