@@ -393,5 +393,7 @@ def test_launcher_refuses_what_deepspeed_cannot_run(tmp_path: Path) -> None:
         validate(parser.parse_args(["--nproc", "2", "--strategy", "fsdp-hybrid-shard-zero2", "--backend",
                                     "deepspeed", str(script)]))
     assert caught.value.key == "sharding.parameters" and "sharding.shard_group" in caught.value.message
-    assert "allow_approximate=True" in (caught.value.fix or "")
+    assert "--allow-approximate" in (caught.value.fix or "")
     validate(parser.parse_args(["--nproc", "2", "--strategy", "zero3-offload", "--backend", "deepspeed", str(script)]))
+    validate(parser.parse_args(["--nproc", "2", "--strategy", "fsdp-hybrid-shard-zero2", "--backend", "deepspeed",
+                                "--allow-approximate", str(script)]))

@@ -27,6 +27,7 @@ from zerobridge.backends.fsdp_plan import assess
 from zerobridge.spec import (
     DynamicLossScale, EveryModuleWrap, OffloadSpec, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap,
 )
+from zerobridge.errors import ConfigError
 from zerobridge.testing.cluster import Cluster
 from zerobridge.testing.fsdp_run import BackendRun
 from zerobridge.testing.parity import ParityNet, RunResult, run_reference
@@ -154,7 +155,21 @@ def test_launch_refuses_what_fsdp_cannot_run(tmp_path: Path, capsys: pytest.Capt
     assert "sharding" in err and "ZeRO-1" in err and "--backend native" in err and "Traceback" not in err
     assert not started
     assert main(["run", "--nproc", "2", "--stage", "3", "--backend", "fsdp", str(script)]) == 0
-    assert started[0]["ZEROBRIDGE_BACKEND"] == "fsdp"
+    assert started[0]["ZEROBRIDGE_BACKEND"] == "fsdp" and "ZEROBRIDGE_ALLOW_APPROXIMATE" not in started[0]
+    # --allow-approximate: launched with a warning; prepare in the workers reads the variable
+    assert main(["run", "--nproc", "2", "--stage", "1", "--backend", "fsdp", "--allow-approximate", str(script)]) == 0
+    assert started[1]["ZEROBRIDGE_ALLOW_APPROXIMATE"] == "1"
+    assert "warning: --allow-approximate: fsdp runs sharding approximately" in capsys.readouterr().err
+
+
+def test_allow_approximate_comes_from_the_argument_then_the_environment() -> None:
+    from zerobridge.backends import resolve_allow_approximate
+
+    assert resolve_allow_approximate(None, env={}) is False
+    assert resolve_allow_approximate(None, env={"ZEROBRIDGE_ALLOW_APPROXIMATE": "1"}) is True
+    assert resolve_allow_approximate(False, env={"ZEROBRIDGE_ALLOW_APPROXIMATE": "1"}) is False
+    with pytest.raises(ConfigError, match="not a yes/no value"):
+        resolve_allow_approximate(None, env={"ZEROBRIDGE_ALLOW_APPROXIMATE": "maybe"})
 
 
 # --------------------------------------------------------------------------- parity, world 2

@@ -42,3 +42,18 @@ def test_translator_modules_examples_run(name: str) -> None:
 
     result = doctest.testmod(importlib.import_module(name))
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
+
+
+def test_benchmark_table_is_the_committed_results() -> None:
+    """docs/benchmarks.md carries the table bench/backends.py renders from bench/results/backends.json."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_backends", REPO / "bench" / "backends.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = json.loads((REPO / "bench" / "results" / "backends.json").read_text(encoding="utf-8"))
+    doc = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert bench.splice(doc, bench.table(results)) == doc, "rerun `python bench/backends.py --render`"
+    assert (REPO / "bench" / "results" / "backends.png").is_file()

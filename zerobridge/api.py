@@ -139,17 +139,17 @@ def _check_model(model: nn.Module) -> None:
 @overload
 def prepare(model: nn.Module, optimizer: None = None, *, stage: int | None = None, strategy: str | None = None,
             config: str | Path | dict[str, Any] | StrategySpec | None = None, backend: str | None = None,
-            allow_approximate: bool = False) -> nn.Module: ...
+            allow_approximate: bool | None = None) -> nn.Module: ...
 @overload
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
             strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
-            backend: str | None = None, allow_approximate: bool = False
+            backend: str | None = None, allow_approximate: bool | None = None
             ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | None = None,
             strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
-            backend: str | None = None, allow_approximate: bool = False
+            backend: str | None = None, allow_approximate: bool | None = None
             ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` (in place) as the strategy says; return it, or ``(model, optimizer)``.
 
@@ -160,15 +160,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     ``backend``: ``"native"`` (zerobridge's engine), ``"fsdp"`` (torch
     FSDP2) or ``"deepspeed"``; ``None``: ``$ZEROBRIDGE_BACKEND``, else
     native. ``allow_approximate``: run what a backend cannot express exactly
-    as its closest equivalent (recorded) instead of refusing.
+    as its closest equivalent (recorded) instead of refusing; ``None``:
+    ``$ZEROBRIDGE_ALLOW_APPROXIMATE`` (``zerobridge run --allow-approximate``), else False.
     """
-    from zerobridge.backends import resolve_backend
+    from zerobridge.backends import resolve_allow_approximate, resolve_backend
 
     chosen = resolve_backend(backend)
+    approximate = resolve_allow_approximate(allow_approximate)
     _check_model(model)
     spec = resolve_spec(model, stage=stage, strategy=strategy, config=config)
     if chosen != "native":
-        return _prepare_other(chosen, model, optimizer, spec, allow_approximate=allow_approximate)
+        return _prepare_other(chosen, model, optimizer, spec, allow_approximate=approximate)
     if optimizer is not None and any(optimizer.state.values()):
         raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
                           fix="call zerobridge.prepare before the first optimizer.step()")

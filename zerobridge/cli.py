@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("strategies", help="the registry, one line each")
     s.add_argument("--json", action="store_true")
 
-    sub.add_parser("demo", help="the built-in example: a DeepSpeed config explained and converted")
+    sub.add_parser("demo", help="a strategy explained, converted to FSDP2 and read back (no training)")
 
     from zerobridge.checkpoint.cli import add_parser as add_checkpoint_parser
     from zerobridge.compare.cli import add_parser as add_compare_parser
@@ -119,15 +117,9 @@ def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
         return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from zerobridge.checkpoint.storage import atomic_write_file
+
+    atomic_write_file(output, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _render(value: Any, target: str) -> str:

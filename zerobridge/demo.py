@@ -1,8 +1,8 @@
-"""``zerobridge demo``: the built-in default job.
+"""``zerobridge demo``: the translation walkthrough (``make demo`` runs ``zerobridge compare``).
 
-Until the engine lands, the demo takes the bundled ZeRO-3 offload strategy
-(``strategies/zero3-offload.toml``), explains it for a 7B model on 64 ranks,
-converts it to FSDP2 with the report, and checks the conversion back.
+It takes the bundled ZeRO-3 offload strategy (``strategies/zero3-offload.toml``),
+explains it for a 7B model on 64 ranks, converts it to FSDP2 with the report,
+and checks the conversion back through DeepSpeed JSON. No process starts.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ environment variable, ``ZEROBRIDGE_CONFIG``, whose grammar this module owns:
 
 A bare value is read as a config when it names an existing file, as a stage
 when it is an integer 0..3, and as a strategy name otherwise. The backend
-choice travels in ``ZEROBRIDGE_BACKEND``. Both are checked before anything
+choice travels in ``ZEROBRIDGE_BACKEND``, ``--allow-approximate`` in
+``ZEROBRIDGE_ALLOW_APPROXIMATE=1``. Both are checked before anything
 is started: a config that does not load is a ``ConfigError`` (exit 2).
 """
 
@@ -41,11 +42,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
+from zerobridge.backends.base import APPROXIMATE_ENV as ENV_APPROXIMATE
 from zerobridge.backends.base import BACKEND_ENV as ENV_BACKEND
 from zerobridge.backends.base import BACKENDS
 from zerobridge.errors import ConfigError
 
-__all__ = ["BACKENDS", "ENV_BACKEND", "ENV_CONFIG", "STAGES", "ChoiceKind", "add_run_arguments",
+__all__ = ["BACKENDS", "ENV_APPROXIMATE", "ENV_BACKEND", "ENV_CONFIG", "STAGES", "ChoiceKind", "add_run_arguments",
            "choice_from_env", "decode_choice", "encode_choice", "launch", "launch_env", "torchrun_command",
            "validate"]
 
@@ -173,7 +175,7 @@ class _ScriptAction(argparse.Action):
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zerobridge run`` options, positionals last so script flags stay the script's."""
     parser.usage = ("%(prog)s [launcher options] [--config FILE | --stage {0,1,2,3} | --strategy NAME]\n"
-                    "       [--backend {native,fsdp,deepspeed}] [-m] script [args ...]")
+                    "       [--backend {native,fsdp,deepspeed}] [--allow-approximate] [-m] script [args ...]")
     g = parser.add_argument_group("processes (passed to torchrun when given)")
     g.add_argument("--nproc", type=_nproc, metavar="N", help="workers per node (torchrun --nproc-per-node)")
     g.add_argument("--nnodes", type=_nnodes, metavar="N", help="nodes, or MIN:MAX for elastic jobs")
@@ -191,6 +193,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     choice.add_argument("--stage", type=int, choices=STAGES, help="a ZeRO stage")
     choice.add_argument("--strategy", metavar="NAME", help="a registry name (`zerobridge strategies`)")
     s.add_argument("--backend", choices=BACKENDS, help="exported to workers as $ZEROBRIDGE_BACKEND")
+    s.add_argument("--allow-approximate", action="store_true",
+                   help="let the backend run its closest form of what it cannot express (warned, recorded); "
+                        "exported as $ZEROBRIDGE_ALLOW_APPROXIMATE=1")
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("script", nargs=argparse.REMAINDER, action=_ScriptAction, metavar="script [args ...]",
                         help="training script (or module with -m), then its arguments, passed untouched")
@@ -255,14 +260,18 @@ def _preflight(args: argparse.Namespace, spec: Any) -> None:
     nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
     nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
     world = nproc * nnodes if nproc and nnodes else None
+    allow = bool(getattr(args, "allow_approximate", False))
     try:
-        preflight(args.backend, spec, world_size=world, local_world_size=nproc)
+        found = preflight(args.backend, spec, world_size=world, local_world_size=nproc, allow_approximate=allow)
     except ConfigError as exc:
         source = args.config or args.strategy or (f"--stage {args.stage}" if args.stage is not None else None)
         approximate = "allow_approximate" in (exc.fix or "")
-        fix = ("use --backend native or change the spec; a script that passes allow_approximate=True to "
-               "zerobridge.prepare runs the backend's closest form: start it with torchrun") if approximate else exc.fix
+        fix = ("use --backend native, change the spec, or add --allow-approximate to run the backend's closest "
+               "form") if approximate else exc.fix
         raise ConfigError(exc.message, source=source, key=exc.key, fix=fix) from None
+    for entry in found:
+        print(f"zerobridge: warning: --allow-approximate: {args.backend} runs {entry.key} approximately: {entry.note}",
+              file=sys.stderr)
 
 
 def torchrun_command(args: argparse.Namespace, *, python: str | None = None) -> list[str]:
@@ -290,6 +299,8 @@ def launch_env(args: argparse.Namespace, base: Mapping[str, str] | None = None) 
         env[ENV_CONFIG] = choice
     if args.backend is not None:
         env[ENV_BACKEND] = args.backend
+    if getattr(args, "allow_approximate", False):
+        env[ENV_APPROXIMATE] = "1"
     return env
 
 

@@ -4,6 +4,10 @@
 own module, imported only when chosen.
 """
 
-from zerobridge.backends.base import BACKEND_ENV, BACKENDS, Backend, attach, backend_of, is_prepared, resolve_backend
+from zerobridge.backends.base import (
+    APPROXIMATE_ENV, BACKEND_ENV, BACKENDS, Backend, attach, backend_of, is_prepared, resolve_allow_approximate,
+    resolve_backend,
+)
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "is_prepared", "resolve_backend"]
+__all__ = ["APPROXIMATE_ENV", "BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "is_prepared",
+           "resolve_allow_approximate", "resolve_backend"]

@@ -1,12 +1,14 @@
 """What every backend gives the user's loop, whichever engine runs underneath.
 
-    >>> from zerobridge.backends.base import BACKENDS, resolve_backend
+    >>> from zerobridge.backends.base import BACKENDS, resolve_allow_approximate, resolve_backend
     >>> BACKENDS
     ('native', 'fsdp', 'deepspeed')
     >>> resolve_backend(None, env={})
     'native'
     >>> resolve_backend(None, env={"ZEROBRIDGE_BACKEND": "fsdp"})
     'fsdp'
+    >>> resolve_allow_approximate(None, env={"ZEROBRIDGE_ALLOW_APPROXIMATE": "1"})
+    True
 
 ``zerobridge.prepare(..., backend=...)`` builds one ``Backend`` and attaches
 it to the model; ``clip_grad_norm_``, ``full_state_dict``, ``stats``,
@@ -29,10 +31,13 @@ if TYPE_CHECKING:  # importing this module stays torch-free (the launcher reads 
     import torch
     from torch import nn
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "is_prepared", "resolve_backend"]
+__all__ = ["APPROXIMATE_ENV", "BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "is_prepared",
+           "resolve_allow_approximate", "resolve_backend"]
 
 BACKENDS = ("native", "fsdp", "deepspeed")
 BACKEND_ENV = "ZEROBRIDGE_BACKEND"
+APPROXIMATE_ENV = "ZEROBRIDGE_ALLOW_APPROXIMATE"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _ATTRIBUTE = "_zerobridge_backend"
 
 
@@ -45,6 +50,20 @@ def resolve_backend(given: str | None, *, env: Mapping[str, str] | None = None) 
         raise ConfigError(f"{source}={value!r} is not a backend", key=source,
                           fix=f"choose one of {', '.join(BACKENDS)}")
     return value
+
+
+def resolve_allow_approximate(given: bool | None, *, env: Mapping[str, str] | None = None) -> bool:
+    """The argument, else ``$ZEROBRIDGE_ALLOW_APPROXIMATE`` (``zerobridge run --allow-approximate``
+    sets it to 1), else False."""
+    if given is not None:
+        return bool(given)
+    value = (os.environ if env is None else env).get(APPROXIMATE_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{APPROXIMATE_ENV}={value!r} is not a yes/no value", key=APPROXIMATE_ENV,
+                      fix="set it to 1 or 0, or unset it")
 
 
 class Backend(ABC):

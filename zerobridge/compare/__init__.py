@@ -20,10 +20,22 @@ Exit codes: 0 all runs agree within the tolerance, 1 a run diverged or
 failed (the message names the run and the step), 2 bad input.
 """
 
-from zerobridge.compare.api import Plan, compare, plan, run_plan
-from zerobridge.compare.report import Comparison, Divergence
-from zerobridge.compare.runner import Planned, RunOutcome, Skipped
-from zerobridge.compare.workload import Workload, adamw, tiny_gpt_workload
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Comparison", "Divergence", "Plan", "Planned", "RunOutcome", "Skipped", "Workload", "adamw", "compare",
            "plan", "run_plan", "tiny_gpt_workload"]
+
+# Names load on first use: the ``zerobridge`` command registers ``compare`` without importing torch.
+_LAZY = {"Plan": "api", "compare": "api", "plan": "api", "run_plan": "api", "Comparison": "report",
+         "Divergence": "report", "Planned": "runner", "RunOutcome": "runner", "Skipped": "runner",
+         "Workload": "workload", "adamw": "workload", "tiny_gpt_workload": "workload"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"zerobridge.compare.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'zerobridge.compare' has no attribute {name!r}")

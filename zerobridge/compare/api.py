@@ -28,7 +28,8 @@ __all__ = ["Plan", "compare", "plan", "run_plan"]
 STAGES = (0, 1, 2, 3)
 
 
-def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: int, tolerance: float) -> None:
+def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: int, tolerance: float,
+           norm_tolerance: float) -> None:
     for stage in stages:
         if stage not in STAGES:
             raise ConfigError(f"--stages {stage}: a ZeRO stage is 0, 1, 2 or 3", key="--stages")
@@ -42,8 +43,9 @@ def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: in
         raise ConfigError(f"--nproc {nproc}: need at least one process", key="--nproc")
     if steps < 1:
         raise ConfigError(f"--steps {steps}: need at least one step", key="--steps")
-    if not tolerance >= 0:
-        raise ConfigError(f"--tolerance {tolerance}: must be a non-negative number", key="--tolerance")
+    for flag, value in (("--tolerance", tolerance), ("--norm-tolerance", norm_tolerance)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} {value}: must be a non-negative number", key=flag)
 
 
 def _optimizer_kind(optimizer: object) -> str | None:
@@ -76,11 +78,11 @@ class Plan:
 
 def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
          backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
-         global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5, seed: int = 0,
-         allow_approximate: bool = False) -> Plan:
+         global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
+         norm_tolerance: float = 1e-4, seed: int = 0, allow_approximate: bool = False) -> Plan:
     """Check the inputs, build the workload once (in this process) and plan the runs."""
     chosen_stages = list(STAGES if stages is None and not configs else stages or [])
-    _check(chosen_stages, list(backends), nproc, steps, tolerance)
+    _check(chosen_stages, list(backends), nproc, steps, tolerance, norm_tolerance)
     work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
     if work.global_batch % nproc:
         raise ConfigError(f"the global batch of {work.global_batch} rows does not split over {nproc} processes",
@@ -92,8 +94,8 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
     if not runs:
         raise ConfigError("nothing to compare: every combination was skipped", key="--backends",
                           fix="; ".join(f"{s.backend}/{s.label}: {s.reason}" for s in skipped) or None)
-    comparison = Comparison(runs=[], skipped=skipped, tolerance=tolerance, model=model, params=params,
-                            world_size=nproc, steps=steps)
+    comparison = Comparison(runs=[], skipped=skipped, tolerance=tolerance, norm_tolerance=norm_tolerance,
+                            model=model, params=params, world_size=nproc, steps=steps)
     return Plan(comparison, runs, params, kind, model, global_batch, seq_len, seed, allow_approximate)
 
 
@@ -110,7 +112,8 @@ def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
 def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
             backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
             global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
-            clip: float | None = 1.0, seed: int = 0, allow_approximate: bool = False, timeout_s: float = 900.0,
+            norm_tolerance: float = 1e-4, clip: float | None = 1.0, seed: int = 0, allow_approximate: bool = False,
+            timeout_s: float = 900.0,
             progress: Callable[[int, int, RunOutcome], None] | None = None) -> Comparison:
     """Train ``model`` for ``steps`` steps on every stage (default 0-3 when no ``configs``) and
     config, on every backend, each in a fresh group of ``nproc`` processes; compare the runs.
@@ -118,7 +121,8 @@ def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path
     ``progress(index, total, outcome)`` is called after each run.
     """
     planned = plan(stages=stages, configs=configs, backends=backends, nproc=nproc, steps=steps, model=model,
-                   global_batch=global_batch, seq_len=seq_len, tolerance=tolerance, seed=seed,
+                   global_batch=global_batch, seq_len=seq_len, tolerance=tolerance,
+                   norm_tolerance=norm_tolerance, seed=seed,
                    allow_approximate=allow_approximate)
     return run_plan(planned, clip=clip, timeout_s=timeout_s, progress=progress)
 

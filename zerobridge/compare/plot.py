@@ -7,10 +7,9 @@ starts when ``zerobridge compare --plot`` checks with ``require_matplotlib``.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
+from zerobridge.checkpoint.storage import atomic_write_file
 from zerobridge.compare.report import Comparison
 from zerobridge.errors import ConfigError
 
@@ -72,13 +71,8 @@ def write_plot(comparison: Comparison, target: Path) -> Path:
     fig.suptitle(f"{comparison.model}: {comparison.params:,} parameters, world {comparison.world_size}, "
                  f"{comparison.steps} steps — {'agree' if comparison.ok else 'DISAGREE'}")
     fig.tight_layout()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, target)
+        atomic_write_file(target, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
     return target

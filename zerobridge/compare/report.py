@@ -7,7 +7,11 @@
 The first run that finished is the reference. Every other run is compared
 with it step by step, in loss and in the global gradient norm before
 clipping, relative to the reference's value; a run *diverges* at the first
-step where either differs by more than the tolerance, or is not finite. A
+step where the loss differs by more than ``tolerance``, the norm by more
+than ``norm_tolerance``, or either is not finite. The norm gets its own
+bound: it sums the squares of every gradient element, and the order in
+which stages and backends add them moves it by about 1e-5 relative at 20M
+parameters (measured) while the losses still agree within 1e-7. A
 comparison is ``ok`` when no run diverged and none failed.
 """
 
@@ -45,10 +49,13 @@ class Divergence:
     reference: float
     deviation: float
 
-    def describe(self, reference_name: str, tolerance: float) -> str:
+    tolerance: float
+    """The bound it broke."""
+
+    def describe(self, reference_name: str) -> str:
         """One line naming the run, the step and the numbers."""
         return (f"{self.run} diverges from {reference_name} at step {self.step}: {self.metric} {self.value:.8g} vs "
-                f"{self.reference:.8g} (relative {self.deviation:.2e} > tolerance {tolerance:g})")
+                f"{self.reference:.8g} (relative {self.deviation:.2e} > tolerance {self.tolerance:g})")
 
 
 def _finite(x: float) -> float | None:
@@ -62,6 +69,9 @@ class Comparison:
     runs: list[RunOutcome]
     skipped: list[Skipped]
     tolerance: float
+    """Relative bound on each step's loss."""
+    norm_tolerance: float
+    """Relative bound on each step's gradient norm."""
     model: str
     params: int
     world_size: int
@@ -86,13 +96,13 @@ class Comparison:
         if ref is None or run.error is not None:
             return None
         for step in range(len(ref.losses)):
-            for metric, ours, theirs in (("loss", run.losses, ref.losses), ("grad_norm", run.grad_norms,
-                                                                              ref.grad_norms)):
+            for metric, ours, theirs, bound in (("loss", run.losses, ref.losses, self.tolerance),
+                                                ("grad_norm", run.grad_norms, ref.grad_norms, self.norm_tolerance)):
                 if step >= len(ours):
-                    return Divergence(run.planned.name, step, metric, math.nan, theirs[step], math.inf)
+                    return Divergence(run.planned.name, step, metric, math.nan, theirs[step], math.inf, bound)
                 deviation = relative(ours[step], theirs[step])
-                if deviation > self.tolerance:
-                    return Divergence(run.planned.name, step, metric, ours[step], theirs[step], deviation)
+                if deviation > bound:
+                    return Divergence(run.planned.name, step, metric, ours[step], theirs[step], deviation, bound)
         return None
 
     @property
@@ -118,12 +128,12 @@ class Comparison:
         """One line for people, and a line per problem."""
         ref = self.reference
         lines = [f"FAILED {r.planned.name}: {r.error}" for r in self.failed]
-        lines += [d.describe(ref.planned.name if ref else "?", self.tolerance) for d in self.divergences]
+        lines += [d.describe(ref.planned.name if ref else "?") for d in self.divergences]
         if lines:
             return "\n".join(["zerobridge compare: runs disagree", *lines])
-        return (f"OK: {len(self.runs)} run(s) agree with {ref.planned.name if ref else '-'} within "
-                f"{self.tolerance:g} over {self.steps} steps (max loss deviation {self.max_deviation():.2e}, "
-                f"max grad-norm deviation {self.max_deviation('grad_norm'):.2e})")
+        return (f"OK: {len(self.runs)} run(s) agree with {ref.planned.name if ref else '-'} over {self.steps} "
+                f"steps: max loss deviation {self.max_deviation():.2e} (tolerance {self.tolerance:g}), max grad-norm "
+                f"deviation {self.max_deviation('grad_norm'):.2e} (tolerance {self.norm_tolerance:g})")
 
     # --- JSON -------------------------------------------------------------------------------------------
 
@@ -142,7 +152,8 @@ class Comparison:
             "model_state_bytes": dict(run.model_state_bytes),
             "formula_model_state_bytes": run.formula_model_state_bytes,
             "tier_bytes": dict(run.tier_bytes),
-            "peak_rss_bytes": run.peak_rss_bytes, "baseline_rss_bytes": run.baseline_rss_bytes,
+            "peak_rss_bytes": run.peak_rss_bytes, "steps_peak_rss_bytes": run.steps_peak_rss_bytes,
+            "baseline_rss_bytes": run.baseline_rss_bytes,
             "comm_bytes": {k: round(v) for k, v in run.comm_bytes.items()},
             "formula_comm_bytes": run.formula_comm_bytes,
             "step_time_s": _finite(run.step_time_s), "step_times_s": list(run.step_times),
@@ -158,7 +169,7 @@ class Comparison:
         return {
             "ok": self.ok, "max_loss_deviation": _finite(self.max_deviation()),
             "max_grad_norm_deviation": _finite(self.max_deviation("grad_norm")),
-            "tolerance": self.tolerance, "reference": ref.planned.name if ref else None,
+            "tolerance": self.tolerance, "norm_tolerance": self.norm_tolerance, "reference": ref.planned.name if ref else None,
             "model": self.model, "params": self.params, "world_size": self.world_size, "steps": self.steps,
             "runs": [self.run_json(r) for r in self.runs],
             "skipped": [{"backend": s.backend, "stage": s.stage, "label": s.label, "reason": s.reason}
@@ -188,11 +199,13 @@ class Comparison:
                          f"{format_bytes(state.get('params', 0))} / {format_bytes(state.get('grads', 0))} / "
                          f"{format_bytes(state.get('optimizer', 0))}",
                          f"{total / formula:.3f}" if formula else "-",
-                         format_bytes(run.peak_rss_bytes), comm or "-", f"{run.step_time_s * 1e3:.1f}"])
+                         format_bytes(run.peak_rss_bytes) + (f" / {format_bytes(run.steps_peak_rss_bytes)}"
+                                                             if run.steps_peak_rss_bytes is not None else ""),
+                         comm or "-", f"{run.step_time_s * 1e3:.1f}"])
         return rows
 
     _HEAD = ["run", "stage", "final loss", "loss dev", "norm dev", "state/rank: params / grads / optim",
-             "vs formula", "peak RSS", "comm/step/rank", "step ms"]
+             "vs formula", "peak RSS: run / steps", "comm/step/rank", "step ms"]
 
     def _steps(self) -> list[list[str]]:
         ref = self.reference
@@ -227,7 +240,7 @@ class Comparison:
         mark = "✅" if self.ok else "❌"
         out = [f"## zerobridge compare {mark}", "",
                f"`{self.model}`, {self.params:,} parameters, world size {self.world_size}, {self.steps} steps, "
-               f"tolerance {self.tolerance:g} (relative, against `{self.reference.planned.name if self.reference else '-'}`)",
+               f"relative tolerance {self.tolerance:g} on losses and {self.norm_tolerance:g} on grad norms (against `{self.reference.planned.name if self.reference else '-'}`)",
                "", _markdown_table(self._HEAD, self._rows()), ""]
         if self.skipped:
             out += ["**Skipped** (the backend cannot express the spec):", ""]

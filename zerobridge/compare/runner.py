@@ -83,6 +83,8 @@ class RunOutcome:
     """What ``zerobridge explain`` says a rank moves per step (Adam-type optimizers only)."""
     peak_rss_bytes: int = 0
     """The largest rank's high-water resident set."""
+    steps_peak_rss_bytes: int | None = None
+    """The largest rank's high-water resident set during the training steps alone."""
     baseline_rss_bytes: int = 0
     approximations: list[dict[str, str]] = field(default_factory=list)
     error: str | None = None
@@ -146,6 +148,8 @@ def _merge(planned: Planned, records: list[RankRecord], world_size: int) -> RunO
         model_state_bytes={k: max(r.model_state_bytes.get(k, 0) for r in records) for k in first.model_state_bytes},
         tier_bytes={k: max(r.tier_bytes.get(k, 0) for r in records) for k in first.tier_bytes},
         peak_rss_bytes=max(r.peak_rss_bytes for r in records),
+        steps_peak_rss_bytes=None if any(r.steps_peak_rss_bytes is None for r in records)
+        else max(r.steps_peak_rss_bytes or 0 for r in records),
         baseline_rss_bytes=max(r.baseline_rss_bytes for r in records),
         approximations=first.approximations)
 

@@ -14,7 +14,8 @@ the statistics); a step's time is the slowest rank's. Model-state bytes are
 read from ``zerobridge.stats`` after clipping and again after the step, the
 larger of each kept; the collectives are counted from a ``reset_stats`` at
 the top of each step to the end of ``optimizer.step()``. Peak memory is the
-process's high-water resident set (``VmHWM``).
+process's high-water resident set (``VmHWM``) over its life, and over the
+training steps alone (the mark is reset after ``prepare``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankRecord", "peak_rss_bytes", "rss_bytes", "train"]
+__all__ = ["RankRecord", "peak_rss_bytes", "reset_peak_rss", "rss_bytes", "train"]
 
 
 @dataclass
@@ -53,7 +54,9 @@ class RankRecord:
     tier_bytes: dict[str, int] = field(default_factory=dict)
     """Model state by where it lives: ``device``, ``host``, ``nvme``."""
     peak_rss_bytes: int = 0
-    """This process's high-water resident set at the end."""
+    """This process's high-water resident set over its life (building the whole model included)."""
+    steps_peak_rss_bytes: int | None = None
+    """The high-water resident set during the training steps only (None where it cannot be reset)."""
     baseline_rss_bytes: int = 0
     """This process's resident set before the model was built (imports, the process group)."""
     approximations: list[dict[str, str]] = field(default_factory=list)
@@ -85,6 +88,16 @@ def peak_rss_bytes() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart this process's high-water mark (Linux: 5 into ``clear_refs``); False where impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _device() -> torch.device:
@@ -144,6 +157,8 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
     optimizer = work.optimizer(net)
     net, optimizer = zerobridge.prepare(net, optimizer, **choice, backend=backend,
                                         allow_approximate=allow_approximate)
+    lifetime = peak_rss_bytes()
+    reset = reset_peak_rss()
     max_norm = clip if clip else math.inf  # an infinite bound measures the norm and scales by exactly 1
     held: dict[str, int] = {}
     for step in range(steps):
@@ -178,5 +193,6 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
     record.model_state_bytes = held
     record.tier_bytes = {k: int(v) for k, v in stats.get("tier_bytes", {}).items()}
     record.approximations = list(stats.get("approximations", []))
-    record.peak_rss_bytes = peak_rss_bytes()
+    record.peak_rss_bytes = max(lifetime, peak_rss_bytes())
+    record.steps_peak_rss_bytes = peak_rss_bytes() if reset else None
     return record
