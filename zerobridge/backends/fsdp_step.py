@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from zerobridge.engine.loss_scale import LossScaler, ScaleGrad
 from zerobridge.engine.plan import EnginePlan
+from zerobridge.engine.step import apply_clip, hide_grads, nonfinite_flag, norm_part
 from zerobridge.spec import GradSync
 
 __all__ = ["FsdpStepping", "local"]
@@ -148,9 +149,7 @@ class FsdpStepping:
             torch._foreach_mul_(grads, factor)
         self.skip = False
         if self.scaler.enabled or self.plan.skip_nonfinite_steps:
-            flag = torch.zeros(1, device=grads[0].device if grads else None)
-            if any(not torch.isfinite(g).all() for g in grads):
-                flag.fill_(1.0)
+            flag = nonfinite_flag(grads, grads[0].device if grads else None)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             self.skip = bool(flag.item())
             self.scaler.update(found_inf=self.skip)
@@ -164,20 +163,11 @@ class FsdpStepping:
             raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
                                "boundary (outside no_sync), before optimizer.step()")
         grads = self._grads()
-        inf = norm_type == float("inf")
-        device = grads[0].device if grads else torch.device("cpu")
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-            total = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1).to(torch.float32)
-        else:
-            total = torch.zeros(1, device=device)
+        total = norm_part(grads, norm_type, grads[0].device if grads else torch.device("cpu"))
         if self.shard_group.size() > 1:  # shards of one copy add up; replicas hold the same shards
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.shard_group)
-        norm = total[0] if inf else total[0].pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
-        return norm
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM,
+                            group=self.shard_group)
+        return apply_clip(grads, total, max_norm, norm_type)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
         """Pre-step hook: a no-op step (gradients hidden) outside a boundary or on a skipped
@@ -187,13 +177,7 @@ class FsdpStepping:
             if self.plan.clip_grad_norm is not None:
                 self.clip_grad_norm(self.plan.clip_grad_norm)
             return []
-        hidden = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) in self.param_ids:
-                    hidden.append((param, param.grad))
-                    param.grad = None
-        return hidden
+        return hide_grads(optimizer, self.param_ids)
 
     def after_step(self, optimizer: torch.optim.Optimizer, hidden: list[tuple[nn.Parameter, torch.Tensor | None]]
                    ) -> None:

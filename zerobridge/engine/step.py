@@ -34,9 +34,51 @@ from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.swap import StateSwapper
 
-__all__ = ["StepControl", "StepHooks", "install_optimizer_hooks", "raw_step"]
+__all__ = ["StepControl", "StepHooks", "apply_clip", "hide_grads", "install_optimizer_hooks", "nonfinite_flag",
+           "norm_part", "raw_step"]
 
 Hidden = list[tuple[nn.Parameter, torch.Tensor | None]]
+
+
+def hide_grads(optimizer: torch.optim.Optimizer, ids: set[int]) -> Hidden:
+    """Take the gradients of ``optimizer``'s parameters whose ids are in ``ids`` out of its
+    sight (``param.grad = None``); what was taken, to put back after its step."""
+    hidden: Hidden = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in ids:
+                hidden.append((param, param.grad))
+                param.grad = None
+    return hidden
+
+
+def nonfinite_flag(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """``[1.0]`` when any of this rank's gradients holds an inf or NaN, else ``[0.0]`` (to all-reduce with MAX)."""
+    flag = torch.zeros(1, device=device)
+    if any(not torch.isfinite(g).all() for g in grads):
+        flag.fill_(1.0)
+    return flag
+
+
+def norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's part of the global gradient norm, ``[1]`` float32 on ``device``: the sum of
+    the ``norm_type``-th powers of its gradients' norms (their largest for the inf-norm)."""
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+    else:
+        local = torch.zeros((), device=device)
+    return local.reshape(1).to(device, torch.float32)
+
+
+def apply_clip(grads: list[torch.Tensor], reduced: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+    """The global norm from the all-reduced ``norm_part`` (SUM, or MAX for the inf-norm); scale
+    ``grads`` so that it is at most ``max_norm`` (torch's formula); return the norm before."""
+    total = reduced[0] if norm_type == float("inf") else reduced[0].pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+    return total
 
 
 @dataclass
@@ -100,9 +142,7 @@ class StepControl:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         self.skip = False
         if self.scaler.enabled or self.plan.skip_nonfinite_steps:
-            local = torch.zeros(1, device=self._device())
-            if any(not torch.isfinite(g).all() for g in grads):
-                local.fill_(1.0)
+            local = nonfinite_flag(grads, self._device())
             collectives.all_reduce(local, self.mesh.control, self.stats, op=dist.ReduceOp.MAX)
             self.skip = bool(local.item())
             self.scaler.update(found_inf=self.skip)
@@ -116,30 +156,11 @@ class StepControl:
             raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
                                "boundary (outside no_sync), before optimizer.step()")
         grads = self._grads()
-        inf = norm_type == float("inf")
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-            local = norms.max() if inf else norms.pow(norm_type).sum()
-        else:
-            local = torch.zeros((), device=self._device())
-        local = local.reshape(1).to(self._device(), torch.float32)
+        local = norm_part(grads, norm_type, self._device())
         # Shards of one copy are summed; replicas hold the same shard and are not.
         collectives.all_reduce(local, self.mesh.reduce, self.stats,
-                               op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-        total = local[0] if inf else local[0].pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
-        return total
-
-    def _hide(self, optimizer: torch.optim.Optimizer) -> Hidden:
-        hidden: Hidden = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) in self.param_ids:
-                    hidden.append((param, param.grad))
-                    param.grad = None
-        return hidden
+                               op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
+        return apply_clip(grads, local, max_norm, norm_type)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> Stash:
         """Optimizer pre-step hook: skip (hide gradients), let the step run, or run it
@@ -150,12 +171,12 @@ class StepControl:
         if depth:
             return Stash(stepping=False, nested=True)
         if not self.finalize() or self.skip:
-            return Stash(stepping=False, hidden=self._hide(optimizer))
+            return Stash(stepping=False, hidden=hide_grads(optimizer, self.param_ids))
         if self.plan.clip_grad_norm is not None:  # the spec's clipping, at step time as DeepSpeed does
             self.clip_grad_norm(self.plan.clip_grad_norm)
         if self.swapper is None:
             return Stash(stepping=True)
-        hidden = self._hide(optimizer)
+        hidden = hide_grads(optimizer, self.param_ids)
         self.swapper.step(optimizer, {id(p): g for p, g in hidden}, raw_step)
         return Stash(stepping=True, hidden=hidden, swapped=True)
 
