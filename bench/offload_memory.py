@@ -49,29 +49,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
 MIB = 1024 * 1024
 
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    """Restart the peak-RSS mark (Linux: write 5 to clear_refs)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def measure(*, config: dict[str, Any], nvme_path: str, steps: int, seq_len: int, sub_group_size: int) -> dict[str, Any]:
     """On every rank: build, prepare and train the 100m GPT; memory figures of this rank."""
     import torch.distributed as dist
 
     import zerobridge
     from zerobridge.api import spec_for_stage
+    from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
     from zerobridge.models import no_weight_decay, shard, tiny_gpt
     from zerobridge.spec import OffloadSpec
 
@@ -91,8 +75,8 @@ def measure(*, config: dict[str, Any], nvme_path: str, steps: int, seq_len: int,
                                    {"params": [p for n, p in named if no_weight_decay(n)], "weight_decay": 0.0}],
                                   lr=3e-4)
     gc.collect()
-    rest_before = _status("VmRSS")
-    reset = _reset_peak()
+    rest_before = rss_bytes()
+    reset = reset_peak_rss()
     losses, seconds = [], []
     for step in range(steps):
         start = time.perf_counter()
@@ -107,8 +91,8 @@ def measure(*, config: dict[str, Any], nvme_path: str, steps: int, seq_len: int,
         losses.append(loss.item())
     stats = zerobridge.stats(model)
     return {"rank": rank, "params": params, "shards": world, "losses": losses, "step_seconds": seconds,
-            "rss_after_prepare": rest_before, "rss_after_training": _status("VmRSS"),
-            "peak_rss_training": _status("VmHWM") if reset else None,
+            "rss_after_prepare": rest_before, "rss_after_training": rss_bytes(),
+            "peak_rss_training": peak_rss_bytes() if reset else None,
             "peak_rss_lifetime": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "tier_bytes": stats["tier_bytes"], "param_bytes": stats["param_bytes"],
             "grad_bytes": stats["grad_bytes"], "optimizer_bytes": stats["optimizer_bytes"]}

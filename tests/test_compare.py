@@ -135,7 +135,7 @@ def test_plan_groups_by_stage_and_skips_what_a_backend_cannot_express() -> None:
                                         "fsdp/stage3", "deepspeed/stage3"]
     assert [(s.backend, s.stage) for s in p.comparison.skipped] == [("fsdp", 1), ("fsdp", 2)]
     assert "ZeRO-1 has no FSDP form" in p.comparison.skipped[0].reason
-    assert p.params == 118_400 and p.optimizer == "adam"
+    assert p.comparison.params == 118_400 and p.optimizer == "adam"
     approximate = plan(stages=[1], backends=["fsdp"], nproc=2, steps=2, allow_approximate=True)
     assert [r.approximations for r in approximate.runs] == [("sharding",)]
 

@@ -229,32 +229,21 @@ def validate(args: argparse.Namespace) -> None:
             raise ConfigError(exc.message, source=args.config or args.strategy, key=exc.key, fix=exc.fix) from None
     if args.backend is not None and args.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {args.backend!r}", key="--backend", fix=f"one of {', '.join(BACKENDS)}")
-    if args.backend == "fsdp":
-        _validate_fsdp(args, spec)
-    if args.backend == "deepspeed" and spec is not None:
-        _validate_deepspeed(args, spec)
+    if args.backend == "fsdp" and spec is None and args.stage is not None:
+        from zerobridge.api import spec_for_stage
+
+        spec = spec_for_stage(int(args.stage))  # FSDP2 cannot run every stage: check it too
+    if args.backend in ("fsdp", "deepspeed") and spec is not None:
+        _preflight(args, spec)
     if not args.module and not Path(args.script).is_file():
         raise ConfigError("training script not found", source=args.script,
                           fix="check the path; use -m to run a module by name")
 
 
-def _validate_fsdp(args: argparse.Namespace, spec: Any) -> None:
-    """Refuse before launching what torch FSDP2 cannot run exactly (the world size must be known)."""
-    if spec is None and args.stage is not None:
-        from zerobridge.api import spec_for_stage
-
-        spec = spec_for_stage(int(args.stage))
-    if spec is not None:
-        _preflight(args, spec)
-
-
-def _validate_deepspeed(args: argparse.Namespace, spec: Any) -> None:
-    """Refuse before launching what DeepSpeed cannot run exactly; checks that need the
-    world size are skipped when the launcher cannot tell it."""
-    _preflight(args, spec)
-
-
 def _preflight(args: argparse.Namespace, spec: Any) -> None:
+    """Refuse before launching what the chosen backend cannot run exactly (unless
+    ``--allow-approximate``); checks that need the world size are skipped when the launcher
+    cannot tell it."""
     from zerobridge.backends.preflight import preflight
 
     nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None

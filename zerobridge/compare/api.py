@@ -65,8 +65,6 @@ class Plan:
     comparison: Comparison
     """Empty runs; the skipped pairs filled in."""
     runs: list[Planned]
-    params: int
-    """Trainable parameters of the model (a tied weight once)."""
     optimizer: str | None
     """``adam`` or ``sgd`` (with momentum) for the ZeRO formulas; None for other optimizers."""
     model: str
@@ -96,7 +94,7 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
                           fix="; ".join(f"{s.backend}/{s.label}: {s.reason}" for s in skipped) or None)
     comparison = Comparison(runs=[], skipped=skipped, tolerance=tolerance, norm_tolerance=norm_tolerance,
                             model=model, params=params, world_size=nproc, steps=steps)
-    return Plan(comparison, runs, params, kind, model, global_batch, seq_len, seed, allow_approximate)
+    return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, allow_approximate)
 
 
 def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
@@ -133,7 +131,7 @@ def run_plan(planned: Plan, *, clip: float | None = 1.0, timeout_s: float = 900.
     comparison = planned.comparison
 
     def report(index: int, outcome: RunOutcome) -> None:
-        _formulas(outcome, planned.params, planned.optimizer)
+        _formulas(outcome, comparison.params, planned.optimizer)
         if progress is not None:
             progress(index, len(planned.runs), outcome)
 

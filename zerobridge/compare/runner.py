@@ -24,13 +24,15 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from zerobridge.compare.worker import RankRecord
 from zerobridge.errors import ConfigError
 from zerobridge.spec import StrategySpec
 
-__all__ = ["Planned", "RunOutcome", "Skipped", "execute", "plan_runs"]
+__all__ = ["Planned", "RunOutcome", "Skipped", "after_warmup", "execute", "plan_runs"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,14 @@ class RunOutcome:
 
     @property
     def step_time_s(self) -> float:
-        """Median step time, leaving out the first step (warm-up) when there are three or more."""
-        times = self.step_times[1:] if len(self.step_times) >= 3 else self.step_times
+        """Median step time over the steps after warm-up (``after_warmup``)."""
+        times = after_warmup(self.step_times)
         return statistics.median(times) if times else float("nan")
+
+
+def after_warmup(per_step: Sequence[_T]) -> Sequence[_T]:
+    """The steps a median is taken over: all but the first (warm-up) when there are three or more."""
+    return per_step[1:] if len(per_step) >= 3 else per_step
 
 
 def _labelled(stages: Sequence[int], configs: Sequence[str | Path]) -> list[tuple[str, StrategySpec, bool]]:
@@ -138,10 +145,9 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
 
 def _merge(planned: Planned, records: list[RankRecord], world_size: int) -> RunOutcome:
     first = records[0]
-    measured = range(1, len(first.comm_bytes)) if len(first.comm_bytes) >= 3 else range(len(first.comm_bytes))
     kinds = sorted({k for r in records for step in r.comm_bytes for k in step})
-    comm = {k: max(statistics.median([r.comm_bytes[i].get(k, 0) for i in measured]) for r in records)
-            for k in kinds} if measured else {}
+    comm = {k: max(statistics.median([step.get(k, 0) for step in after_warmup(r.comm_bytes)]) for r in records)
+            for k in kinds}
     return RunOutcome(
         planned=planned, world_size=world_size, losses=first.losses, grad_norms=first.grad_norms,
         step_times=first.step_times, comm_bytes={k: float(v) for k, v in comm.items() if v},

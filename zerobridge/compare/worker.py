@@ -100,12 +100,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @contextmanager
 def _output_to(path: str | None) -> Iterator[None]:
     """Send this process's stdout and stderr (file descriptors, so C++ and child output too) to ``path``."""
@@ -147,12 +141,13 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
     import zerobridge
     from zerobridge.compare.workload import resolve_model
     from zerobridge.models import shard
+    from zerobridge.testing.parity import run_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     record = RankRecord(baseline_rss_bytes=rss_bytes())
     torch.manual_seed(seed)
     work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
-    device = _device()
+    device = run_device()
     net = work.model.to(device)
     optimizer = work.optimizer(net)
     net, optimizer = zerobridge.prepare(net, optimizer, **choice, backend=backend,
