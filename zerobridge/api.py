@@ -18,7 +18,7 @@ environment chooses one; with neither, stage 0 (plain data parallel).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, overload
@@ -28,14 +28,18 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobridge.engine import Engine, plan_engine
+from zerobridge.engine.materialize import agree_generator, materialize_engine
 from zerobridge.engine.mesh import build_mesh, group_timeout
 from zerobridge.errors import ConfigError
+from zerobridge.init.replay import Replay, is_meta_model
 from zerobridge.spec import BatchSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
 
 __all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "reset_stats", "spec_for_stage",
            "stats"]
 
 CONFIG_ENV = "ZEROBRIDGE_CONFIG"
+
+InitFn = Callable[[nn.Module], object]
 
 
 class ZeroModule(nn.Module):
@@ -102,13 +106,14 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     return load(str(choice)).value
 
 
-def init_distributed(model: nn.Module) -> None:
+def init_distributed(model: nn.Module, device: torch.device | None = None) -> None:
     """Start the default process group unless there is one: gloo (CPU) or NCCL (CUDA)
-    under a launcher, a one-rank gloo group under plain python."""
+    under a launcher, a one-rank gloo group under plain python. ``device``: where
+    the model will live (default: where its parameters are)."""
     if dist.is_initialized():
         return
     timeout = group_timeout()
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timeout)
@@ -126,10 +131,6 @@ def _check_model(model: nn.Module) -> None:
     if not params:
         raise ConfigError(f"{type(model).__name__} has no parameters to shard", key="model",
                           fix="pass the module that owns the parameters")
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ConfigError(f"parameters on the meta device: {', '.join(meta[:5])}", key="model",
-                          fix="materialise them first: model.to_empty(device=...) then reset_parameters()")
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ConfigError(f"parameters on several devices: {sorted(map(str, devices))}", key="model",
@@ -139,18 +140,19 @@ def _check_model(model: nn.Module) -> None:
 @overload
 def prepare(model: nn.Module, optimizer: None = None, *, stage: int | None = None, strategy: str | None = None,
             config: str | Path | dict[str, Any] | StrategySpec | None = None, backend: str | None = None,
-            allow_approximate: bool | None = None) -> nn.Module: ...
+            allow_approximate: bool | None = None, init_fn: InitFn | None = None,
+            device: torch.device | str | None = None) -> nn.Module: ...
 @overload
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
             strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
-            backend: str | None = None, allow_approximate: bool | None = None
-            ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+            backend: str | None = None, allow_approximate: bool | None = None, init_fn: InitFn | None = None,
+            device: torch.device | str | None = None) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | None = None,
             strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
-            backend: str | None = None, allow_approximate: bool | None = None
-            ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+            backend: str | None = None, allow_approximate: bool | None = None, init_fn: InitFn | None = None,
+            device: torch.device | str | None = None) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` (in place) as the strategy says; return it, or ``(model, optimizer)``.
 
     ``optimizer``: one built before on the original parameters; its param
@@ -162,24 +164,43 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     native. ``allow_approximate``: run what a backend cannot express exactly
     as its closest equivalent (recorded) instead of refusing; ``None``:
     ``$ZEROBRIDGE_ALLOW_APPROXIMATE`` (``zerobridge run --allow-approximate``), else False.
+
+    A model built under ``torch.device("meta")`` is materialized here, one
+    module at a time, with the values an eager build from the same seed would
+    have had (docs/big-models.md). ``init_fn(module)``: called on every module,
+    children first, instead of its own ``reset_parameters()`` /
+    ``_init_weights``. ``device``: where a meta model materializes (default:
+    ``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU).
     """
     from zerobridge.backends import resolve_allow_approximate, resolve_backend
 
     chosen = resolve_backend(backend)
     approximate = resolve_allow_approximate(allow_approximate)
     _check_model(model)
+    replay = Replay(model, init_fn) if is_meta_model(model) else None
+    if replay is None and init_fn is not None:
+        raise ConfigError("init_fn is given but the model is not on the meta device", key="init_fn",
+                          fix="build the model under `with torch.device('meta'):`, or initialize it yourself")
+    target = materialize_device(device) if replay is not None else None
     spec = resolve_spec(model, stage=stage, strategy=strategy, config=config)
     if chosen != "native":
-        return _prepare_other(chosen, model, optimizer, spec, allow_approximate=approximate)
+        return _prepare_other(chosen, model, optimizer, spec, allow_approximate=approximate, replay=replay,
+                              device=target)
     if optimizer is not None and any(optimizer.state.values()):
         raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
                           fix="call zerobridge.prepare before the first optimizer.step()")
-    init_distributed(model)
+    init_distributed(model, target)
+    if replay is not None:
+        assert target is not None
+        replay_on_every_rank(replay, target)
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    plan = plan_engine(spec, model, world_size=world, local_world_size=local)
+    plan = plan_engine(spec, model, world_size=world, local_world_size=local, device=target)
     mesh = build_mesh(shard_size=plan.shard_size, secondary_size=plan.secondary_size)
-    engine = Engine(model, plan, mesh)
+    engine = Engine(model, plan, mesh, target)
+    if replay is not None:
+        materialize_engine(engine, replay)
+        engine.stats.reset()
     cls = type(model)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
@@ -199,14 +220,40 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 
 
 def _prepare_other(name: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: StrategySpec, *,
-                   allow_approximate: bool) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+                   allow_approximate: bool, replay: Replay | None, device: torch.device | None
+                   ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Run ``spec`` on torch FSDP2 or DeepSpeed (``zerobridge/backends/``)."""
     import importlib
 
     module = importlib.import_module(f"zerobridge.backends.{name}")
-    prepared: nn.Module | tuple[nn.Module, torch.optim.Optimizer] = module.prepare(
-        model, optimizer, spec, allow_approximate=allow_approximate)
+    if replay is None:
+        prepared: nn.Module | tuple[nn.Module, torch.optim.Optimizer] = module.prepare(
+            model, optimizer, spec, allow_approximate=allow_approximate)
+    else:
+        prepared = module.prepare(model, optimizer, spec, allow_approximate=allow_approximate, replay=replay,
+                                  device=device)
     return prepared
+
+
+def materialize_device(device: torch.device | str | None) -> torch.device:
+    """Where a meta-device model materializes: ``device``, else this rank's GPU, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def replay_on_every_rank(replay: Replay, device: torch.device) -> None:
+    """Record the construction replay from rank 0's generator state on every rank
+    (so every rank produces the same values); a rank whose own state differed gets
+    it back afterwards. Collective."""
+    own = torch.get_rng_state()
+    same = agree_generator(device)
+    replay.record()
+    if not same:
+        replay.end_state = own
+        torch.set_rng_state(own)
 
 
 def engine_of(model: nn.Module) -> Engine:

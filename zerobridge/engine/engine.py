@@ -86,10 +86,13 @@ class Engine:
 
     # ------------------------------------------------------------------ initialization
 
-    def __init__(self, model: nn.Module, plan: EnginePlan, mesh: Mesh) -> None:
+    def __init__(self, model: nn.Module, plan: EnginePlan, mesh: Mesh, device: torch.device | None = None) -> None:
+        """``device``: where a meta-device model's groups are allocated (its values
+        are written afterwards, ``engine/materialize.py``)."""
         self.model = model
         self.plan = plan
         self.mesh = mesh
+        self.device = device or next(model.parameters()).device
         self.stats = CommStats()
         self._broadcast_from_rank0()
         if plan.buffer_dtype is not None:
@@ -102,7 +105,8 @@ class Engine:
         owner = owners(model, modules, refs)
         self.units = [Unit(i, m) for i, m in enumerate(modules)]
         self.spaces = open_spaces(plan.offload, rank=mesh.rank)
-        per_unit, self.replicated = build_groups(refs, owner, len(self.units), plan, mesh, self.stats, self.spaces)
+        per_unit, self.replicated = build_groups(refs, owner, len(self.units), plan, mesh, self.stats, self.spaces,
+                                                 device)
         for unit, groups in zip(self.units, per_unit):
             unit.groups = groups
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
@@ -141,6 +145,8 @@ class Engine:
     def _broadcast_from_rank0(self) -> None:
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                if tensor.is_meta:  # deferred: every rank replays the same init
+                    continue
                 collectives.broadcast(tensor.data, 0, self.mesh.control, self.stats)
 
     def _install_hooks(self) -> None:

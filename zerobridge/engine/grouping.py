@@ -12,6 +12,8 @@ registered first so buckets fill in backward order.
 
 from __future__ import annotations
 
+import torch
+
 from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.flat_group import FlatGroup, GroupPlan
 from zerobridge.engine.layout import plan_layout
@@ -58,8 +60,10 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
 
 
 def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: EnginePlan, mesh: Mesh,
-                 stats: CommStats, spaces: Spaces | None = None) -> tuple[list[list[FlatGroup]], list[FlatGroup]]:
-    """The groups of each of ``units`` units (by index), and the replicated groups."""
+                 stats: CommStats, spaces: Spaces | None = None, device: torch.device | None = None
+                 ) -> tuple[list[list[FlatGroup]], list[FlatGroup]]:
+    """The groups of each of ``units`` units (by index), and the replicated groups, on
+    ``device`` (default: the parameters')."""
     numels = [r.numel for r in refs]
     persistent = (persistent_params(numels, threshold=plan.persistence_threshold,
                                     budget=plan.model_persistence_threshold)
@@ -75,7 +79,7 @@ def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: Engin
                                  shard_rank=mesh.shard_rank if shards > 1 else 0,
                                  bucket_cap=plan.reduce_bucket if trainable else None)
             group_plan = _group_plan(plan, sharding=ParamSharding.REPLICATED, trainable=trainable)
-            replicated.append(FlatGroup(chosen, layout, group_plan, mesh, stats, spaces))
+            replicated.append(FlatGroup(chosen, layout, group_plan, mesh, stats, spaces, device))
         for unit in range(units):
             mine = [r for i, r in enumerate(refs)
                     if i not in persistent and owner[i] == unit and r.requires_grad == trainable]
@@ -83,5 +87,5 @@ def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: Engin
                 layout = plan_layout([r.numel for r in mine], shards=mesh.shard_size,
                                      shard_rank=mesh.shard_rank, bucket_cap=None)
                 group_plan = _group_plan(plan, sharding=plan.sharding, trainable=trainable)
-                per_unit[unit].append(FlatGroup(mine, layout, group_plan, mesh, stats, spaces))
+                per_unit[unit].append(FlatGroup(mine, layout, group_plan, mesh, stats, spaces, device))
     return per_unit, replicated

@@ -133,12 +133,18 @@ def check_runnable(spec: StrategySpec, *, world_size: int | None = None, local_w
                    key="sharding.backward_gather_group")
 
 
-def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_world_size: int) -> EnginePlan:
-    """Resolve ``spec`` for ``model`` on ``world_size`` ranks; ``ConfigError`` if it cannot run."""
+def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_world_size: int,
+                device: torch.device | None = None) -> EnginePlan:
+    """Resolve ``spec`` for ``model`` on ``world_size`` ranks; ``ConfigError`` if it cannot run.
+
+    ``device``: where the model's tensors will live (default: where its first
+    parameter is; a meta-device model names the device it materializes on)."""
     sharding, precision, comm, batch = spec.sharding, spec.precision, spec.communication, spec.batch
-    first = next(model.parameters(), None)
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
     offload = plan_offload(spec.offload, sharded_at_rest=sharding.parameters.sharded_at_rest,
-                           accelerator=first is not None and first.device.type != "cpu")
+                           accelerator=device.type != "cpu")
     if sharding.world_size is not None and sharding.world_size != world_size:
         raise ConfigError(f"sharding.world_size={sharding.world_size} but {world_size} ranks were launched",
                           key="sharding.world_size", fix=f"launch {sharding.world_size} ranks, or drop world_size")

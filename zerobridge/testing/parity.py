@@ -149,20 +149,25 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
                global_batch: int = 8, accumulation: int = 1, accumulation_mode: str = "spec",
                clip: float | None = 1.0, seed: int = 0, prepare_optimizer: bool = False,
                on_step: Callable[[int], None] | None = None, collect_state: bool = True,  # on_step(steps): done
-               from_env: bool = False) -> RunResult:
+               from_env: bool = False, meta: bool = False) -> RunResult:
     """On every rank: the same training under ZeRO ``stage`` or ``spec``.
 
     ``accumulation_mode``: ``spec`` (the spec's accumulation steps; backward on
     the undivided loss, as with DeepSpeed), ``no_sync`` (divided loss, all but
     the last micro-batch under ``model.no_sync()``, as with FSDP) or ``plain``
     (divided loss, every backward reduces, torch's accumulate-until-zero_grad).
+    ``meta``: build the model on the meta device and let ``prepare`` materialize it.
     """
     import zerobridge
     from zerobridge.api import spec_for_stage
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = run_device()
-    model = ParityNet(seed).to(device)
+    if meta:
+        with torch.device("meta"):
+            model = ParityNet(seed)
+    else:
+        model = ParityNet(seed).to(device)
     if from_env:
         spec = None
     elif spec is None:
@@ -171,9 +176,9 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         spec = spec.model_copy(update={"batch": spec.batch.model_copy(update={"accumulation_steps": accumulation})})
     if prepare_optimizer:
         opt = make_optimizer(list(model.named_parameters()), optimizer)
-        model, opt = zerobridge.prepare(model, opt, config=spec)
+        model, opt = zerobridge.prepare(model, opt, config=spec, device=device if meta else None)
     else:
-        model = zerobridge.prepare(model, config=spec)  # config=None: ZEROBRIDGE_CONFIG decides
+        model = zerobridge.prepare(model, config=spec, device=device if meta else None)  # None: ZEROBRIDGE_CONFIG
         opt = make_optimizer(list(model.named_parameters()), optimizer)
     result = RunResult(summary=model.zerobridge_engine.plan.spec.summary(),  # type: ignore[union-attr]
                        names=[n for n, _ in model.named_parameters(remove_duplicate=False)] + list(model.state_dict()))

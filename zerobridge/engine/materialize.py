@@ -1,0 +1,75 @@
+"""Give an engine built from a meta-device model its initial values, one module at a time.
+
+    >>> import torch, zerobridge
+    >>> _ = torch.manual_seed(0); eager = torch.nn.Linear(4, 2)
+    >>> _ = torch.manual_seed(0)
+    >>> with torch.device("meta"):
+    ...     lazy = torch.nn.Linear(4, 2)
+    >>> lazy = zerobridge.prepare(lazy, stage=3)          # groups allocated, values replayed
+    >>> torch.equal(zerobridge.full_state_dict(lazy)["weight"], eager.weight)
+    True
+
+The engine's flat groups are allocated empty from the meta shapes (a rank's
+shard at stage 3, the full replica at stages 0-2). Then, module by module in
+registration order, the construction replay (``zerobridge/init/replay.py``)
+produces that module's tensors on the CPU; each parameter's run that this
+rank holds is written into the master elements (``master.write_master``,
+which also reaches offload tiers), and the full tensor is dropped. Buffers
+are small and kept whole. A last collective pass pushes masters into the
+compute copies, as after a checkpoint load.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from zerobridge.engine.access import local_runs, refresh_compute, write_master
+from zerobridge.init.replay import Replay
+
+if TYPE_CHECKING:
+    from zerobridge.engine.engine import Engine
+
+__all__ = ["agree_generator", "materialize_engine"]
+
+
+def agree_generator(device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
+    """Start every rank's CPU generator from rank 0's state, so that every rank
+    replays the same initial values. Returns whether this rank's state already was
+    rank 0's (then its generator ends as after an eager build; otherwise it is put
+    back to its own state after the replay: see ``materialize_engine``). Collective."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return True
+    own = torch.get_rng_state()
+    state = own.to(device, copy=True)
+    dist.broadcast(state, src=0, group=group)
+    state = state.cpu()
+    torch.set_rng_state(state)
+    return bool(torch.equal(state, own))
+
+
+def materialize_engine(engine: Engine, replay: Replay) -> None:
+    """Write every parameter run this rank holds and every buffer from ``replay``
+    (already recorded). Collective: ends with ``refresh_compute``."""
+    runs: dict[int, list] = {}
+    for run in local_runs(engine):
+        if run.numel > 0:
+            runs.setdefault(run.group.refs[run.index].source_id, []).append(run)
+    buffers = {key for key, (_, _, is_buffer) in replay.first.items() if is_buffer}
+    for module in engine.model.modules():
+        keys = [key for key in replay.params_of(module) if key in runs or key in buffers]
+        for key, value in replay.materialize(keys):
+            owner, attr, is_buffer = replay.first[key]
+            if is_buffer:
+                current = owner._buffers[attr]
+                assert current is not None
+                owner._buffers[attr] = value.to(engine.device, current.dtype)
+                continue
+            flat = value.reshape(-1)
+            for run in runs[key]:
+                piece = flat[run.start:run.start + run.numel]
+                write_master(engine, run, piece.to(run.group.plan.master_dtype))
+            del value, flat
+    refresh_compute(engine)

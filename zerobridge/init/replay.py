@@ -1,0 +1,289 @@
+"""Initialize a meta-device model with the values an eager build would have had.
+
+    >>> import torch
+    >>> from zerobridge.init.replay import Replay
+    >>> _ = torch.manual_seed(0); eager = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    >>> _ = torch.manual_seed(0)
+    >>> with torch.device("meta"):
+    ...     lazy = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    >>> replay = Replay(lazy)
+    >>> replay.record()                                  # advances the RNG as the eager build did
+    >>> values = dict(replay.materialize(replay.params_of(lazy[1])))
+    >>> torch.equal(values[id(lazy[1].weight)], eager[1].weight)
+    True
+
+[Note: construction replay]
+An eager build draws every initial value from the global CPU generator in the
+order the constructors run. On the meta device nothing is drawn, so the same
+stream is replayed here as a list of *init ops*, in construction order:
+
+- a module's children are built (and initialized) before its own
+  ``reset_parameters()`` (or torch's private ``_reset_parameters()``) runs:
+  post-order, the order of every torch module that resets at the end of
+  ``__init__``. Such an op may touch its whole subtree (``MultiheadAttention``
+  zeroes its ``out_proj.bias``).
+- a Hugging Face model (a module with ``_init_weights`` and ``config``) is an
+  *init scope*: once its children are built, ``post_init`` runs its
+  ``_init_weights`` on every module of its subtree not yet initialized by an
+  inner scope, children first. An op of that kind touches only the module's
+  own tensors.
+- ``init_fn`` given: it replaces all of the above and is called on every
+  module, children first.
+
+``record`` runs every op once, on scratch tensors one op at a time, and keeps
+the generator state before each; the generator ends where the eager build's
+would. ``materialize`` then produces any set of parameters, at any time and
+in any order, by re-running just the ops that touch them from their recorded
+states: so a rank needs one module's tensors at a time, never the model.
+
+A parameter tied to several modules takes the values of its first owner (in
+registration order); ops on a later owner write scratch tensors, so the
+generator still advances as it did when that owner built its own weight
+before the tie. A parameter or floating buffer that no op writes completely
+is an error naming it (scratch tensors start as NaN to tell).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerobridge.errors import ConfigError
+
+__all__ = ["InitOp", "Replay", "is_meta_model"]
+
+Slot = tuple[nn.Module, str, bool]
+"""(module, attribute, is_buffer)."""
+
+
+@dataclass(frozen=True, eq=False)
+class InitOp:
+    """One call the eager build made that wrote initial values."""
+
+    module: nn.Module
+    call: Callable[[], object]
+    deep: bool
+    """It may write the whole subtree's tensors (torch ``reset_parameters``)."""
+    label: str
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (every parameter and buffer
+    there); a model partly on meta is an error naming what is."""
+    tensors = [(name, t) for name, t in (*model.named_parameters(), *model.named_buffers())]
+    meta = [name for name, t in tensors if t.is_meta]
+    if not meta:
+        return False
+    real = [name for name, t in tensors if not t.is_meta]
+    if real:
+        raise ConfigError(f"{type(model).__name__} is partly on the meta device: {', '.join(meta[:3])} on meta, "
+                          f"{', '.join(real[:3])} not", key="model",
+                          fix="build the whole model under `with torch.device('meta'):` (or none of it)")
+    return True
+
+
+def _hf_scope(module: nn.Module) -> bool:
+    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") and hasattr(
+        module, "post_init")
+
+
+def _reset_method(module: nn.Module) -> Callable[[], object] | None:
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method) and not _hf_scope(module):
+            return method  # type: ignore[no-any-return]
+    return None
+
+
+def _hf_call(scope: nn.Module, module: nn.Module) -> Callable[[], object]:
+    call = functools.partial(scope._init_weights, module)  # type: ignore[operator]
+    try:
+        from transformers import initialization
+        guard = getattr(initialization, "guard_torch_init_functions", None)
+    except ImportError:  # pragma: no cover - only HF models reach here
+        guard = None
+    if guard is None:
+        return call
+
+    def guarded() -> object:
+        with guard():
+            return call()
+    return guarded
+
+
+def plan_ops(model: nn.Module, init_fn: Callable[[nn.Module], object] | None = None) -> list[InitOp]:
+    """The init ops of an eager build of ``model``, in the order it ran them."""
+    if init_fn is not None:
+        return [InitOp(m, functools.partial(init_fn, m), False, f"init_fn({name or type(m).__name__})")
+                for name, m in _post_order(model)]
+    ops: list[InitOp] = []
+    done: set[int] = set()
+
+    def build(module: nn.Module, name: str) -> None:
+        for child_name, child in module.named_children():
+            build(child, f"{name}.{child_name}" if name else child_name)
+        if _hf_scope(module):
+            for sub_name, sub in _post_order(module, name):
+                if id(sub) not in done:
+                    done.add(id(sub))
+                    ops.append(InitOp(sub, _hf_call(_scope_of(module, sub), sub), False,
+                                      f"{type(module).__name__}._init_weights({sub_name or 'root'})"))
+            return
+        reset = _reset_method(module)
+        if reset is not None:
+            ops.append(InitOp(module, reset, True, f"{name or 'root'}.{reset.__name__}()"))
+
+    build(model, "")
+    return ops
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def _scope_of(outer: nn.Module, module: nn.Module) -> nn.Module:
+    """The innermost Hugging Face model inside ``outer`` that contains ``module``."""
+    scope = outer
+    for child in outer.children():
+        if any(m is module for m in child.modules()):
+            inner = _scope_of(child, module)
+            return inner if _hf_scope(inner) else scope
+    return scope
+
+
+class Replay:
+    """The init ops of a meta-device model, recorded once, replayed on demand."""
+
+    def __init__(self, model: nn.Module, init_fn: Callable[[nn.Module], object] | None = None) -> None:
+        self.model = model
+        self.init_fn = init_fn
+        self.ops = plan_ops(model, init_fn)
+        # Each slot holding a meta tensor; the first slot of a tensor owns its values.
+        self.first: dict[int, Slot] = {}
+        self.names: dict[int, str] = {}
+        self.meta: dict[int, torch.Tensor] = {}
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for store, is_buffer in ((module._parameters, False), (module._buffers, True)):
+                for attr, t in store.items():
+                    if t is not None and t.is_meta and id(t) not in self.first:
+                        self.first[id(t)] = (module, attr, is_buffer)
+                        self.names[id(t)] = f"{module_name}.{attr}" if module_name else attr
+                        self.meta[id(t)] = t
+        # Computed now, while the slots still hold the meta tensors (the engine
+        # later puts its own parameters there).
+        self.slots = [self._slots(op) for op in self.ops]
+        self.touches: dict[int, list[int]] = {key: [] for key in self.first}
+        for k, slots in enumerate(self.slots):
+            for _, _, _, key, owner in slots:
+                if owner:
+                    self.touches[key].append(k)
+        self.states: list[torch.Tensor] = []
+        self.end_state: torch.Tensor | None = None
+
+    def _slots(self, op: InitOp) -> list[tuple[nn.Module, str, bool, int, bool]]:
+        """(module, attribute, is_buffer, tensor key, first owner) of each meta slot the op may write."""
+        modules = op.module.modules() if op.deep else [op.module]
+        found = []
+        for m in modules:
+            for store, is_buffer in ((m._parameters, False), (m._buffers, True)):
+                for attr, t in store.items():
+                    if t is not None and id(t) in self.first:
+                        found.append((m, attr, is_buffer, id(t), self.first[id(t)][:2] == (m, attr)))
+        return found
+
+    def params_of(self, module: nn.Module) -> list[int]:
+        """Keys of the tensors ``module`` itself owns (its first-owner slots)."""
+        return [key for key, (m, _, _) in self.first.items() if m is module]
+
+    # ------------------------------------------------------------------ running ops
+
+    @contextmanager
+    def _swapped(self, k: int, real: dict[int, torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
+        """Put a tensor in every slot op ``k`` may write: ``real`` ones where given,
+        NaN scratch elsewhere; the slots get their old contents back after."""
+        saved: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
+        written: dict[int, torch.Tensor] = {}
+        try:
+            for module, attr, is_buffer, key, owner in self.slots[k]:
+                store = module._buffers if is_buffer else module._parameters
+                old = store[attr]
+                tensor = real[key] if owner and key in real else _scratch(self.meta[key])
+                if owner:
+                    written[key] = tensor
+                saved.append((store, attr, old))  # type: ignore[arg-type]
+                meta = self.meta[key]
+                store[attr] = tensor if is_buffer else nn.Parameter(tensor, requires_grad=meta.requires_grad)
+            yield written
+        finally:
+            for store, attr, old in reversed(saved):
+                store[attr] = old
+
+    def _run(self, k: int, real: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        op = self.ops[k]
+        with self._swapped(k, real) as written, torch.no_grad():
+            try:
+                op.call()
+            except Exception as exc:
+                raise ConfigError(f"initializing {op.label} on scratch tensors failed: {type(exc).__name__}: {exc}",
+                                  key="model", fix="make the module's init work on CPU tensors, or pass "
+                                  "prepare(..., init_fn=fn) to initialize it yourself") from None
+            return {key: _unwrap(t) for key, t in written.items()}
+
+    def record(self) -> None:
+        """Run every op once on scratch tensors from the current generator state,
+        keeping the state before each; check that every tensor gets written.
+        Leaves the generator where the eager build would have."""
+        covered: set[int] = set()
+        self.states = []
+        for k in range(len(self.ops)):
+            self.states.append(torch.get_rng_state())
+            for key, tensor in self._run(k, {}).items():
+                if not tensor.is_floating_point() or not torch.isnan(tensor).any():
+                    covered.add(key)
+        self.end_state = torch.get_rng_state()
+        missing = [self.names[key] for key in self.first
+                   if key not in covered and self.meta[key].is_floating_point()]
+        if missing:
+            kind = "init_fn" if self.init_fn is not None else "reset_parameters() or _init_weights()"
+            raise ConfigError(
+                f"no {kind} initializes {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''} of the "
+                f"meta-device {type(self.model).__name__}", key="model",
+                fix="give the module a reset_parameters() that fills it, or pass prepare(..., init_fn=fn) "
+                    "with fn(module) initializing each module's own tensors")
+
+    def materialize(self, keys: Iterable[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """The eager values of the tensors ``keys`` (CPU, their own dtype): the ops
+        touching them re-run from their recorded generator states. The generator
+        is left where ``record`` left it."""
+        assert self.end_state is not None, "record() first"
+        wanted = list(dict.fromkeys(keys))
+        if not wanted:
+            return
+        real = {key: _scratch(self.meta[key]) for key in wanted}
+        ops = sorted({k for key in wanted for k in self.touches[key]})
+        try:
+            for k in ops:
+                torch.set_rng_state(self.states[k])
+                self._run(k, real)
+        finally:
+            torch.set_rng_state(self.end_state)
+        for key in wanted:
+            yield key, real[key]
+
+
+def _scratch(meta: torch.Tensor) -> torch.Tensor:
+    tensor = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
+    if tensor.is_floating_point():
+        tensor.fill_(float("nan"))
+    return tensor
+
+
+def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.data if isinstance(tensor, nn.Parameter) else tensor
