@@ -6,7 +6,7 @@
 
 The training API (``prepare``, ``clip_grad_norm_``, ``full_state_dict``,
 ``stats``, ``reset_stats``) and checkpoints (``save_checkpoint``,
-``load_checkpoint``, ``save_full``) load torch on first use, so config
+``load_checkpoint``, ``save_full``, ``load_pretrained``) load torch on first use, so config
 conversion stays fast.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["clip_grad_norm_", "full_state_dict", "load_checkpoint", "prepare", "reset_stats", "save_checkpoint",
-           "save_full", "stats"]
+__all__ = ["clip_grad_norm_", "full_state_dict", "load_checkpoint", "load_pretrained", "prepare", "reset_stats",
+           "save_checkpoint", "save_full", "stats"]
 _CHECKPOINT = frozenset({"load_checkpoint", "save_checkpoint", "save_full"})
 
 
@@ -25,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from zerobridge.checkpoint import api as checkpoint_api
 
         return getattr(checkpoint_api, name)
+    if name == "load_pretrained":
+        from zerobridge.pretrained.load import load_pretrained
+
+        return load_pretrained
     if name in __all__:
         from zerobridge import api
 

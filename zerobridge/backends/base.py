@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # importing this module stays torch-free (the launcher reads 
     import torch
     from torch import nn
 
+    from zerobridge.pretrained.targets import Target
+
 __all__ = ["APPROXIMATE_ENV", "BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "is_prepared",
            "resolve_allow_approximate", "resolve_backend"]
 
@@ -97,6 +99,15 @@ class Backend(ABC):
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
                         rng: bool) -> dict[str, Any]:
         """Load a checkpoint of any layout; return its user metadata. Collective."""
+
+    def pretrained_targets(self) -> list[Target]:
+        """The runs of every parameter and buffer this rank holds, for ``load_pretrained``."""
+        raise ConfigError(f"load_pretrained cannot write into a model run by the {self.name} backend", key="backend",
+                          fix="prepare with backend='native' or 'fsdp', or load the weights into the model before "
+                              "prepare (model.load_state_dict)")
+
+    def after_pretrained(self) -> None:
+        """After ``load_pretrained`` wrote the targets: make every copy follow. Collective."""
 
 
 def attach(model: nn.Module, backend: Backend) -> None:

@@ -127,6 +127,11 @@ class FsdpBackend(Backend):
 
         return load_fsdp(path, self, optimizer, strict=strict, rng=rng)
 
+    def pretrained_targets(self) -> list[Any]:
+        from zerobridge.pretrained.targets import dtensor_targets
+
+        return dtensor_targets(self.model)
+
 
 def _stored(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (FSDP2 keeps padded shards)."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from zerobridge.backends.base import Backend
 from zerobridge.engine import Engine
+from zerobridge.pretrained.targets import Target
 
 __all__ = ["NativeBackend"]
 
@@ -55,3 +56,13 @@ class NativeBackend(Backend):
         from zerobridge.checkpoint.api import load_native
 
         return load_native(path, self.model, self.engine, optimizer, strict=strict, rng=rng)
+
+    def pretrained_targets(self) -> list[Target]:
+        from zerobridge.pretrained.targets import engine_targets
+
+        return engine_targets(self.engine)
+
+    def after_pretrained(self) -> None:
+        from zerobridge.engine.access import refresh_compute
+
+        refresh_compute(self.engine)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BUILDERS", "MixedNet", "eager_state", "exact_rss", "meta_state", "prepare_peak", "scale_init"]
+__all__ = ["BUILDERS", "MixedNet", "eager_state", "exact_rss", "load_peak", "load_state", "meta_state", "prepare_peak",
+           "save_checkpoint_of", "scale_init"]
 
 
 class Scaled(nn.Module):
@@ -172,3 +173,48 @@ def prepare_peak(*, layers: int, width: int, stage: int = 3) -> dict[str, int]:
         rises[path] = peak_rss_bytes() - base
         del model
     return rises
+
+
+def load_state(*, model: str, source: str, stage: int | None = None, spec: Any = None, backend: str | None = None,
+               strict: bool = True) -> dict[str, Any]:
+    """On every rank: build ``model`` on meta, prepare it, ``load_pretrained(source)``;
+    the full state and what this rank read."""
+    import zerobridge
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        built = BUILDERS[model]()
+    prepared = zerobridge.prepare(built, stage=stage, config=spec, backend=backend)
+    report = zerobridge.load_pretrained(prepared, source, strict=strict)
+    state = {k: v.detach().cpu().clone() for k, v in zerobridge.full_state_dict(prepared).items()}
+    return {"state": state, "bytes_read": report.bytes_read, "missing": report.missing,
+            "unexpected": report.unexpected, "renamed": report.renamed}
+
+
+def save_checkpoint_of(*, model: str, path: str, seed: int = 1, stage: int = 3) -> None:
+    """On every rank: an eager ``model`` from ``seed``, prepared at ``stage`` and saved
+    with ``zerobridge.save_checkpoint`` to ``path``."""
+    import zerobridge
+
+    torch.manual_seed(seed)
+    prepared = zerobridge.prepare(BUILDERS[model](), stage=stage)
+    zerobridge.save_checkpoint(path, prepared)
+
+
+def load_peak(*, layers: int, width: int, source: str, stage: int = 3) -> dict[str, int]:
+    """On every rank: the high-water rise of the resident set over meta build, prepare
+    and ``load_pretrained`` of a square Linear stack, and the bytes read."""
+    import gc
+
+    import zerobridge
+    from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    exact_rss()
+    gc.collect()
+    reset_peak_rss()
+    base = rss_bytes()
+    with torch.device("meta"):
+        model = _stack(layers, width)
+    model = zerobridge.prepare(model, stage=stage)
+    report = zerobridge.load_pretrained(model, source)
+    return {"rise": peak_rss_bytes() - base, "bytes_read": report.bytes_read}
