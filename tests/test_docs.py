@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 from pathlib import Path
 
@@ -42,6 +44,26 @@ def test_translator_modules_examples_run(name: str) -> None:
 
     result = doctest.testmod(importlib.import_module(name))
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
+
+
+def _bench(name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_big_model_table_is_the_committed_results() -> None:
+    """docs/big-models.md carries the table bench/big_model.py renders from bench/results/big_model.json."""
+    import json
+
+    bench = _bench("big_model")
+    results = json.loads((REPO / "bench" / "results" / "big_model.json").read_text(encoding="utf-8"))
+    doc = (REPO / "docs" / "big-models.md").read_text(encoding="utf-8")
+    assert bench.splice(doc, bench.table(results)) == doc, "rerun `python bench/big_model.py --render`"
 
 
 def test_benchmark_table_is_the_committed_results() -> None:
