@@ -28,6 +28,8 @@ from zerobridge.testing.deferred import eager_state
 
 META = "zerobridge.testing.deferred:meta_state"
 TRAIN = "zerobridge.testing.fsdp_run:train"
+DS_ENV = {"DS_ACCELERATOR": "cpu",
+          "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 
 pytestmark = pytest.mark.distributed
 
@@ -95,3 +97,48 @@ def test_fsdp_meta_built_model_trains_like_eager(clusters: dict[int, Cluster]) -
         assert a.losses == b.losses
         assert a.grad_norms == b.grad_norms
         assert_same(b.state, a.state)
+
+
+# ---------------------------------------------------------------------- DeepSpeed
+
+
+def ds_meta_state(*, model: str, stage: int, dtype: str = "fp32") -> dict[str, Any]:
+    """On every rank: ``model`` built on meta from seed 0, prepared on DeepSpeed (with the optimizer
+    DeepSpeed needs); its full state, and what this rank holds of each parameter (numel)."""
+    import zerobridge
+    from zerobridge.api import spec_for_stage
+    from zerobridge.testing.deferred import BUILDERS
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        built = BUILDERS[model]()
+    spec = spec_for_stage(stage, built)
+    if dtype == "bf16":
+        spec = spec.model_copy(update={"precision": PrecisionSpec(param_dtype="bf16")})
+    optimizer = torch.optim.AdamW(built.parameters(), lr=1e-3)
+    prepared, _ = zerobridge.prepare(built, optimizer, config=spec, backend="deepspeed")
+    held = {name: int(getattr(p, "ds_tensor", p).numel()) for name, p in prepared.named_parameters()}
+    state = {k: v.detach().cpu().clone() for k, v in zerobridge.full_state_dict(prepared).items()}
+    return {"state": state, "held": held}
+
+
+@pytest.fixture(scope="module")
+def ds_cluster() -> Iterator[Cluster]:
+    pytest.importorskip("deepspeed")
+    with Cluster(2, timeout_s=300, env=DS_ENV) as made:  # the first run may JIT-build DeepSpeed's shm op
+        yield made
+
+
+@pytest.mark.parametrize(("name", "stage", "dtype"), [("parity", 1, "fp32"), ("parity", 3, "fp32"),
+                                                      ("mixed", 3, "bf16")])
+def test_deepspeed_meta_equals_eager(ds_cluster: Cluster, name: str, stage: int, dtype: str) -> None:
+    """Stages 0-2 materialize whole; stage 3 partitions parameter by parameter, each rank keeping
+    about half of every large one. bf16: the fp32 masters are the eager values all the same."""
+    want = eager_state(name)
+    if dtype == "bf16":  # DeepSpeed keeps a frozen parameter in the compute dtype only (an eager build too)
+        want.update({k: v.to(torch.bfloat16).float() for k, v in want.items() if k.startswith("frozen.")})
+    for result in ds_cluster.run("test_deferred_backends:ds_meta_state", model=name, stage=stage, dtype=dtype):
+        assert_same(result["state"], want)
+        if stage == 3:
+            full = {k: v.numel() for k, v in want.items()}
+            assert result["held"]["embed.weight"] <= full["embed.weight"] // 2 + 1, result["held"]

@@ -169,9 +169,10 @@ class Replay:
         self.first: dict[int, Slot] = {}
         self.names: dict[int, str] = {}
         self.meta: dict[int, torch.Tensor] = {}
-        self.dtypes: dict[int, torch.dtype] = {}
-        """Each tensor's dtype as built: a backend may cast the meta tensor before materializing
-        (FSDP2 shards in the master dtype), and the eager values are drawn in this one."""
+        self.built: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        """Each tensor's shape and dtype as built: a backend may change the tensor itself (FSDP2
+        casts the meta masters before sharding; DeepSpeed partitions the parameter object in
+        place), and the eager values are drawn in these."""
         for module_name, module in model.named_modules(remove_duplicate=False):
             for store, is_buffer in ((module._parameters, False), (module._buffers, True)):
                 for attr, t in store.items():
@@ -179,7 +180,7 @@ class Replay:
                         self.first[id(t)] = (module, attr, is_buffer)
                         self.names[id(t)] = f"{module_name}.{attr}" if module_name else attr
                         self.meta[id(t)] = t
-                        self.dtypes[id(t)] = t.dtype
+                        self.built[id(t)] = (t.shape, t.dtype)
         # Computed now, while the slots still hold the meta tensors (the engine
         # later puts its own parameters there).
         self.slots = [self._slots(op) for op in self.ops]
@@ -218,7 +219,7 @@ class Replay:
             for module, attr, is_buffer, key, owner in self.slots[k]:
                 store = module._buffers if is_buffer else module._parameters
                 old = store[attr]
-                tensor = real[key] if owner and key in real else _scratch(self.meta[key], self.dtypes[key])
+                tensor = real[key] if owner and key in real else _scratch(*self.built[key])
                 if owner:
                     written[key] = tensor
                 saved.append((store, attr, old))  # type: ignore[arg-type]
@@ -270,7 +271,7 @@ class Replay:
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return
-        real = {key: _scratch(self.meta[key], self.dtypes[key]) for key in wanted}
+        real = {key: _scratch(*self.built[key]) for key in wanted}
         ops = sorted({k for key in wanted for k in self.touches[key]})
         try:
             for k in ops:
@@ -290,8 +291,8 @@ class Replay:
             yield from self.materialize(keys)
 
 
-def _scratch(meta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.empty(meta.shape, dtype=dtype, device="cpu")
+def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype, device="cpu")
     if tensor.is_floating_point():
         tensor.fill_(float("nan"))
     return tensor
