@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 from conftest import REPO
+from zerobridge.backends.deepspeed_materialize import Partitioner
 from zerobridge.spec import (
     OffloadSpec, PrecisionSpec, RootWrap, ShardingSpec, StrategySpec, TransformerWrap,
 )
@@ -48,6 +50,15 @@ def stage3(wrap: Any = None, **fields: Any) -> StrategySpec:
 
 # MixedNet names no layers and ties its head (a unit of its own would hold the root's weight): one unit.
 SPECS = {"parity": stage3(), "llama": stage3(), "mixed": stage3(RootWrap())}
+
+
+@pytest.mark.parametrize("name", ["fsdp_materialize", "deepspeed_materialize"])
+def test_module_examples_run(name: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"zerobridge.backends.{name}"))
+    assert result.failed == 0 and result.attempted > 0
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +127,18 @@ def ds_meta_state(*, model: str, stage: int, dtype: str = "fp32") -> dict[str, A
     if dtype == "bf16":
         spec = spec.model_copy(update={"precision": PrecisionSpec(param_dtype="bf16")})
     optimizer = torch.optim.AdamW(built.parameters(), lr=1e-3)
-    prepared, _ = zerobridge.prepare(built, optimizer, config=spec, backend="deepspeed")
+    whole: list[int] = []  # at each conversion: elements of real, not yet partitioned parameters
+    convert = Partitioner.__call__
+
+    def counted(self: Partitioner, params: list[torch.nn.Parameter]) -> None:
+        whole.append(sum(p.numel() for p in built.parameters() if not p.is_meta and not hasattr(p, "ds_id")))
+        convert(self, params)
+
+    with mock.patch.object(Partitioner, "__call__", counted):
+        prepared, _ = zerobridge.prepare(built, optimizer, config=spec, backend="deepspeed")
     held = {name: int(getattr(p, "ds_tensor", p).numel()) for name, p in prepared.named_parameters()}
     state = {k: v.detach().cpu().clone() for k, v in zerobridge.full_state_dict(prepared).items()}
-    return {"state": state, "held": held}
+    return {"state": state, "held": held, "whole": whole}
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +161,5 @@ def test_deepspeed_meta_equals_eager(ds_cluster: Cluster, name: str, stage: int,
         if stage == 3:
             full = {k: v.numel() for k, v in want.items()}
             assert result["held"]["embed.weight"] <= full["embed.weight"] // 2 + 1, result["held"]
+            # Partitioned as it went: never more than one (the largest) parameter whole at a time.
+            assert result["whole"] and max(result["whole"]) <= max(full.values()), result["whole"]
