@@ -38,8 +38,10 @@ from zerobridge.backends.base import Backend, attach, is_prepared
 from zerobridge.backends.deepspeed_access import Access, held_bytes
 from zerobridge.backends.deepspeed_config import DeepSpeedPlan, build_config
 from zerobridge.backends.deepspeed_loop import DeepSpeedModule, DeepSpeedOptimizer, Loop
+from zerobridge.backends.deepspeed_materialize import Partitioner, compute_dtype, materialize_deepspeed, restore_masters
 from zerobridge.engine.collectives import CommStats
 from zerobridge.errors import ConfigError
+from zerobridge.init.replay import Replay
 from zerobridge.spec import StrategySpec
 
 __all__ = ["DeepSpeedBackend", "DeepSpeedModule", "DeepSpeedOptimizer", "prepare"]
@@ -144,9 +146,12 @@ def _recount(deepspeed: Any) -> None:
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: StrategySpec, *,
-            allow_approximate: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+            allow_approximate: bool, replay: Replay | None = None, device: torch.device | None = None
+            ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Run ``model`` under DeepSpeed as ``spec`` says; return it and the optimizer to step.
-    Collective (every rank). ``ConfigError`` for what DeepSpeed cannot run."""
+    Collective (every rank). ``ConfigError`` for what DeepSpeed cannot run. ``replay``: the
+    model is on the meta device and materializes on ``device`` with the eager values, at stage 3
+    partitioned as it goes (``deepspeed_materialize``)."""
     if is_prepared(model):
         raise ConfigError(f"{type(model).__name__} is already prepared", key="model",
                           fix="call zerobridge.prepare once per model")
@@ -165,24 +170,36 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     except ImportError as exc:
         raise ConfigError(f"DeepSpeed is not importable ({exc})", key="backend",
                           fix="pip install deepspeed, or use backend='native'") from None
-    from zerobridge.api import init_distributed
+    from zerobridge.api import init_distributed, replay_on_every_rank
     from zerobridge.engine.plan import hidden_size
 
-    init_distributed(model)
+    init_distributed(model, device)
     if dist.get_world_size() == 1:  # one process without a launcher: DeepSpeed still asks for LOCAL_RANK
         os.environ.setdefault("LOCAL_RANK", "0")
+    if replay is not None:
+        assert device is not None, "a meta-device model names the device it materializes on"
+        replay_on_every_rank(replay, device)
     plan = build_config(spec, world_size=dist.get_world_size(), allow_approximate=allow_approximate,
                         hidden=hidden_size(model), accelerator=get_accelerator().device_name())
-    # bf16: DeepSpeed builds its fp32 masters from the bf16 cast; keep the user's values to restore.
+    bf16 = bool(plan.config["bf16"]["enabled"])
+    # bf16: DeepSpeed builds its fp32 masters from the bf16 cast; keep the user's values to restore
+    # (a meta-built model replays them instead).
     originals = {id(p): p.detach().to(torch.float32, copy=True) for p in model.parameters()
-                 if p.requires_grad} if plan.config["bf16"]["enabled"] else {}
+                 if p.requires_grad} if bf16 and replay is None else {}
     comm = CommStats()
     counting.install()  # before DeepSpeed builds anything that could hold a collective
     _recount(deepspeed)
     with counting.counted(comm):
+        if replay is not None:
+            assert device is not None
+            stage3 = plan.config["zero_optimization"]["stage"] == 3
+            materialize_deepspeed(model, replay, device, dtype=compute_dtype(plan.config) if stage3 else None,
+                                  partitioner=Partitioner(plan.config) if stage3 else None)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.config)
         backend = DeepSpeedBackend(model, engine, optimizer, plan, comm, groups)
         backend.access.restore_initial(originals)
+        if replay is not None and bf16:
+            restore_masters(replay, backend.access)
     comm.reset()
     cls = type(model)
     if cls not in _CLASSES:

@@ -42,12 +42,14 @@ from zerobridge.backends.fsdp_apply import (
     apply_activation_checkpointing, apply_fully_shard, broadcast_from_rank0, build_mesh, cast_states, first_names,
     plan_units, replace_optimizer_params, shard_group,
 )
+from zerobridge.backends.fsdp_materialize import materialize_fsdp
 from zerobridge.backends.fsdp_plan import Assessment, assess, neutral, refuse
 from zerobridge.backends.fsdp_step import FsdpStepping, local
 from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.plan import EnginePlan, plan_engine
 from zerobridge.engine.step import install_optimizer_hooks
 from zerobridge.errors import ConfigError
+from zerobridge.init.replay import Replay
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.report import Entry, Report
 
@@ -186,16 +188,22 @@ def fully_shard_kwargs(assessment: Assessment, plan: EnginePlan, mesh: DeviceMes
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: StrategySpec, *,
-            allow_approximate: bool) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+            allow_approximate: bool, replay: Replay | None = None, device: torch.device | None = None
+            ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Run ``spec`` on torch FSDP2: shard ``model`` in place; return it, or ``(model, optimizer)``
-    with the optimizer's parameters replaced by the sharded ones (groups and hyperparameters kept)."""
-    from zerobridge.api import init_distributed
+    with the optimizer's parameters replaced by the sharded ones (groups and hyperparameters kept).
+    ``replay``: the model is on the meta device; it is sharded there and each rank's shards are
+    materialized on ``device`` with the eager values (``fsdp_materialize``)."""
+    from zerobridge.api import init_distributed, replay_on_every_rank
 
     _check_model(model, optimizer)
-    init_distributed(model)
+    init_distributed(model, device)
+    if replay is not None:
+        assert device is not None, "a meta-device model names the device it materializes on"
+        replay_on_every_rank(replay, device)
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    plan = plan_engine(neutral(spec), model, world_size=world, local_world_size=local_world)
+    plan = plan_engine(neutral(spec), model, world_size=world, local_world_size=local_world, device=device)
     assessment = assess(spec, world_size=world, local_world_size=local_world,
                         accumulation_steps=plan.accumulation_steps)
     cut = plan_units(model, spec.wrapping)
@@ -205,12 +213,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     stats = CommStats()
     counting.attach(stats)
     before = first_names(model)
-    mesh = build_mesh(assessment.form["mesh"], world_size=world, device_type=next(model.parameters()).device.type)
-    broadcast_from_rank0(model)
+    device_type = device.type if replay is not None and device is not None else next(model.parameters()).device.type
+    mesh = build_mesh(assessment.form["mesh"], world_size=world, device_type=device_type)
+    if replay is None:
+        broadcast_from_rank0(model)
     cast_states(model, master=plan.master_dtype, buffers=plan.buffer_dtype)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, spec.wrapping)
     apply_fully_shard(model, cut, fully_shard_kwargs(assessment, plan, mesh))
+    if replay is not None:
+        assert device is not None
+        materialize_fsdp(model, replay, device, offloaded=assessment.form["offload_policy"] is not None)
     stepping = FsdpStepping(model, plan, shard_group(mesh))
     install_optimizer_hooks(stepping)
     cls = type(model)

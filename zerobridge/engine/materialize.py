@@ -58,18 +58,16 @@ def materialize_engine(engine: Engine, replay: Replay) -> None:
         if run.numel > 0:
             runs.setdefault(run.group.refs[run.index].source_id, []).append(run)
     buffers = {key for key, (_, _, is_buffer) in replay.first.items() if is_buffer}
-    for module in engine.model.modules():
-        keys = [key for key in replay.params_of(module) if key in runs or key in buffers]
-        for key, value in replay.materialize(keys):
-            owner, attr, is_buffer = replay.first[key]
-            if is_buffer:
-                current = owner._buffers[attr]
-                assert current is not None
-                owner._buffers[attr] = value.to(engine.device, current.dtype)
-                continue
-            flat = value.reshape(-1)
-            for run in runs[key]:
-                piece = flat[run.start:run.start + run.numel]
-                write_master(engine, run, piece.to(run.group.plan.master_dtype))
-            del value, flat
+    for key, value in replay.by_module(lambda key: key in runs or key in buffers):
+        owner, attr, is_buffer = replay.first[key]
+        if is_buffer:
+            current = owner._buffers[attr]
+            assert current is not None
+            owner._buffers[attr] = value.to(engine.device, current.dtype)
+            continue
+        flat = value.reshape(-1)
+        for run in runs[key]:
+            piece = flat[run.start:run.start + run.numel]
+            write_master(engine, run, piece.to(run.group.plan.master_dtype))
+        del value, flat
     refresh_compute(engine)

@@ -169,6 +169,10 @@ class Replay:
         self.first: dict[int, Slot] = {}
         self.names: dict[int, str] = {}
         self.meta: dict[int, torch.Tensor] = {}
+        self.built: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        """Each tensor's shape and dtype as built: a backend may change the tensor itself (FSDP2
+        casts the meta masters before sharding; DeepSpeed partitions the parameter object in
+        place), and the eager values are drawn in these."""
         for module_name, module in model.named_modules(remove_duplicate=False):
             for store, is_buffer in ((module._parameters, False), (module._buffers, True)):
                 for attr, t in store.items():
@@ -176,6 +180,7 @@ class Replay:
                         self.first[id(t)] = (module, attr, is_buffer)
                         self.names[id(t)] = f"{module_name}.{attr}" if module_name else attr
                         self.meta[id(t)] = t
+                        self.built[id(t)] = (t.shape, t.dtype)
         # Computed now, while the slots still hold the meta tensors (the engine
         # later puts its own parameters there).
         self.slots = [self._slots(op) for op in self.ops]
@@ -214,7 +219,7 @@ class Replay:
             for module, attr, is_buffer, key, owner in self.slots[k]:
                 store = module._buffers if is_buffer else module._parameters
                 old = store[attr]
-                tensor = real[key] if owner and key in real else _scratch(self.meta[key])
+                tensor = real[key] if owner and key in real else _scratch(*self.built[key])
                 if owner:
                     written[key] = tensor
                 saved.append((store, attr, old))  # type: ignore[arg-type]
@@ -266,7 +271,7 @@ class Replay:
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return
-        real = {key: _scratch(self.meta[key]) for key in wanted}
+        real = {key: _scratch(*self.built[key]) for key in wanted}
         ops = sorted({k for key in wanted for k in self.touches[key]})
         try:
             for k in ops:
@@ -277,9 +282,17 @@ class Replay:
         for key in wanted:
             yield key, real[key]
 
+    def by_module(self, keep: Callable[[int], bool] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """``materialize`` one module at a time, in registration order: the eager values
+        of each tensor ``keep(key)`` accepts (default: all), with at most one module's
+        tensors alive while the caller holds only the current one."""
+        for module in self.model.modules():
+            keys = [key for key in self.params_of(module) if keep is None or keep(key)]
+            yield from self.materialize(keys)
 
-def _scratch(meta: torch.Tensor) -> torch.Tensor:
-    tensor = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
+
+def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype, device="cpu")
     if tensor.is_floating_point():
         tensor.fill_(float("nan"))
     return tensor

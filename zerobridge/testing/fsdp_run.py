@@ -55,13 +55,18 @@ def _spec(stage: int | None, spec: Any, model: torch.nn.Module, accumulation: in
 
 def train(*, backend: str, stage: int | None = None, spec: Any = None, steps: int = 10, accumulation: int = 1,
           global_batch: int = 8, allow_approximate: bool = False, optimizer_first: bool = True,
-          step_every_micro: bool = False, clip: float | None = 1.0) -> BackendRun:
-    """On every rank: ParityNet trained ``steps`` steps on ``backend`` under ``stage`` or ``spec``."""
+          step_every_micro: bool = False, clip: float | None = 1.0, meta: bool = False) -> BackendRun:
+    """On every rank: ParityNet trained ``steps`` steps on ``backend`` under ``stage`` or ``spec``.
+    ``meta``: built on the meta device from seed 0, for ``prepare`` to materialize."""
     import zerobridge
     from zerobridge.backends import backend_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = ParityNet(0)
+    if meta:
+        with torch.device("meta"):
+            model = ParityNet(0)
+    else:
+        model = ParityNet(0)
     config = _spec(stage, spec, model, accumulation)
     calls = [0]
     model.get_submodule("layers.0.up").register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
