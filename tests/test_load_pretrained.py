@@ -36,6 +36,14 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert torch.equal(got[name], value), name
 
 
+@pytest.fixture(autouse=True)
+def solo_group() -> Iterator[None]:
+    """Tests here that prepare in this process start a one-rank group: end it after each."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 # ---------------------------------------------------------------------- unit: files and names
 
 

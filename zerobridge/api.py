@@ -176,8 +176,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 
     chosen = resolve_backend(backend)
     approximate = resolve_allow_approximate(allow_approximate)
+    meta = is_meta_model(model)  # first: a partly-meta model is named as such
     _check_model(model)
-    replay = Replay(model, init_fn) if is_meta_model(model) else None
+    replay = Replay(model, init_fn) if meta else None
     if replay is None and init_fn is not None:
         raise ConfigError("init_fn is given but the model is not on the meta device", key="init_fn",
                           fix="build the model under `with torch.device('meta'):`, or initialize it yourself")
