@@ -106,6 +106,21 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def command(argv: list[str]) -> str:
+    """The command that reproduces the table: the arguments less ``--paths`` (runs of
+    some paths merge into the saved figures of the same model)."""
+    kept, skipping = [], False
+    for arg in argv:
+        if arg == "--paths":
+            skipping = True
+            continue
+        if skipping and not arg.startswith("--"):
+            continue
+        skipping = False
+        kept.append(arg)
+    return " ".join(["python", "bench/big_model.py", *kept])
+
+
 def splice(doc: str, block: str) -> str:
     """``doc`` with ``block`` between the markers."""
     head, found, rest = doc.partition(BEGIN)
@@ -135,7 +150,7 @@ def main() -> int:
               "n_embd": args.embd}
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "machine": machine(),
-        "command": "python bench/" + Path(__file__).name + " " + " ".join(sys.argv[1:]),
+        "command": command(sys.argv[1:]),
         "config": config, "params": count_params(GPTConfig(**config)), "paths": {}}
     if RESULTS.exists():  # paths not rerun keep their figures when the model is the same
         saved = json.loads(RESULTS.read_text())
