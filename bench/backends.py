@@ -91,6 +91,7 @@ def summarise(reps: list[Comparison]) -> dict[str, Any]:
         comm = sum(last.comm_bytes.values())
         out["runs"][name] = {
             "backend": last.planned.backend, "stage": last.planned.stage,
+            "approximations": list(last.planned.approximations), "formula_stage": last.planned.formula_stage,
             "step_time_s": [r.step_time_s for r in done],
             "median_step_time_s": statistics.median(r.step_time_s for r in done),
             "time_vs_native": statistics.median(ratios) if ratios else None,
@@ -156,12 +157,16 @@ def table(results: dict[str, Any]) -> str:
             if "error" in run:
                 lines.append(f"| {name} | failed: {run['error']} |||||||")
                 continue
+            name += " ~" if run.get("approximations") else ""
             state = sum(run["model_state_bytes"].values())
             comm = round(sum(run["comm_bytes"].values()))
             lines.append(f"| {name} | {run['median_step_time_s'] * 1e3:.0f} ms | {_ratio(run['time_vs_native'])} "
                          f"| {format_bytes(state)} | {_ratio(run['state_vs_formula'])} "
                          f"| {format_bytes(round(run['steps_peak_rss_bytes']))} | {format_bytes(comm)} "
                          f"| {_ratio(run['comm_vs_formula'])} |")
+        lines += [f"- ~ {name}: approximated ({', '.join(run['approximations'])}), the backend's closest form; "
+                  f"model state and traffic ÷ the ZeRO-{run['formula_stage'] or run['stage']} formula"
+                  for name, run in data["runs"].items() if run.get("approximations")]
         lines += [f"- skipped {s['backend']}/{s['label']}: {s['reason'].split(':')[0]}" for s in data["skipped"]]
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
