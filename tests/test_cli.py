@@ -135,3 +135,28 @@ def test_bad_files_exit_2_without_traceback(tmp_path: Path, text: str, fragments
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     for fragment in fragments:
         assert fragment in proc.stderr
+
+
+@pytest.mark.parametrize("name, text", [
+    ("empty.json", ""), ("blank.json", "  \n\t\n"), ("null.json", "null\n"), ("empty.yaml", ""),
+    ("null.yaml", "---\nnull\n"), ("comments.yaml", "# nothing but a comment\n"), ("empty.toml", "\n"),
+])
+def test_an_empty_file_is_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, text: str) -> None:
+    """A file with no settings is almost always a failed write: exit 2, never every default."""
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, err = run(capsys, "convert", str(path), "--to", "fsdp2")
+    assert code == 2 and out == ""
+    assert f"{path} is empty" in err and "fix:" in err and "Traceback" not in err
+
+
+def test_json_only_hjson_reads_is_read_with_a_warning_naming_the_line(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "zero_optimization": {"stage": 2}\n  "bf16": {"enabled": true}\n}\n')  # missing comma
+    code, out, err = run(capsys, "convert", str(path), "--to", "deepspeed")
+    assert code == 0 and json.loads(out)["zero_optimization"]["stage"] == 2  # read as DeepSpeed reads it
+    assert f"warning: {path}: syntax: line 3" in err and "Accelerate" in err and "json" in err
+    assert run(capsys, "convert", str(path), "--to", "deepspeed", "--strict")[0] == 0  # syntax changes nothing
+    path.write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}')
+    assert "syntax" not in run(capsys, "convert", str(path), "--to", "deepspeed")[2]

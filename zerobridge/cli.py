@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _warn(report: Report) -> None:
-    for entry in report.approximations:
+    for entry in report.warnings:
         print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
 
 

@@ -116,6 +116,12 @@ def render_translators() -> str:
         if table.passthrough:
             out.append("\nCarried verbatim (not about sharding): " +
                        ", ".join(f"`{p}`" for p in table.passthrough) + ".\n")
+        if table.removed:
+            out.append("\nRemoved by the consumer, which raises on them: read from older files, reported as "
+                       "`not_expressible` and never written: " +
+                       "; ".join(f"`{p}` ({note})" for p, note in table.removed.items()) + ".\n")
+        if table.notes:
+            out.append("\n" + "".join(f"- {note}\n" for note in table.notes))
     return "".join(out)
 
 

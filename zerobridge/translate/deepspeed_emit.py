@@ -9,7 +9,8 @@
 DeepSpeed's defaults have moved between releases (clipping 0.0 -> 1.0,
 pin_memory false -> true), so the output never relies on one: each key the
 spec decides is written. Keys DeepSpeed would reject (its sections forbid
-unknown keys) are never emitted.
+unknown keys; the keys it removed, ``[removed]`` in ``mappings/deepspeed.toml``,
+make it raise) are never emitted.
 """
 
 from __future__ import annotations
@@ -280,7 +281,12 @@ def _checkpoint(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: 
 
 
 def _passthrough(spec: StrategySpec, out: dict[str, Any], report: Report) -> None:
+    removed = load_table(FORMAT).removed
     for path, value in spec.passthrough.get(FORMAT, {}).items():
+        if path in removed:  # a spec written by hand can still carry one
+            report.add(path, Status.NOT_EXPRESSIBLE, f"DeepSpeed removed it and raises on it: {removed[path]}; "
+                                                     "not written")
+            continue
         node = out
         *parents, leaf = path.split(".")
         for part in parents:

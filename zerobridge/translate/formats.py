@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from zerobridge.errors import ConfigError, closest, from_validation_error
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.report import Report, Status, Translation
-from zerobridge.translate.sources import Located, parse_json, parse_toml, parse_yaml, read_text
+from zerobridge.translate.sources import Located, note_lenient, parse_json, parse_toml, parse_yaml, read_text
 
 __all__ = ["SOURCES", "TARGETS", "detect_format", "read", "read_file", "write"]
 
@@ -104,9 +104,12 @@ def read(located: Located, fmt: str | None = None) -> Translation[StrategySpec]:
     if fmt not in SOURCES:
         raise ConfigError(f"unknown source format {fmt!r}", fix=f"use one of: {', '.join(SOURCES)}")
     try:
-        return _load(SOURCES[fmt])(located)  # type: ignore[no-any-return]
+        translation: Translation[StrategySpec] = _load(SOURCES[fmt])(located)
     except ConfigError as exc:
         raise exc.located(source=located.source) from None
+    note_lenient(located, translation.report)
+    return translation
+
 
 
 def read_file(path: str | Path, fmt: str | None = None) -> Translation[StrategySpec]:
