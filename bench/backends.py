@@ -73,6 +73,8 @@ def summarise(reps: list[Comparison]) -> dict[str, Any]:
     names = [r.planned.name for r in reps[0].runs]
     out: dict[str, Any] = {"params": reps[0].params, "runs": {}, "skipped": reps[0].to_json()["skipped"],
                            "max_loss_deviation": max(c.max_deviation() for c in reps),
+                           "max_grad_norm_deviation": max(c.max_deviation("grad_norm") for c in reps),
+                           "tolerance": reps[0].tolerance, "norm_tolerance": reps[0].norm_tolerance,
                            "all_ok": all(c.ok for c in reps)}
     for name in names:
         per_rep = [next(r for r in c.runs if r.planned.name == name) for c in reps]
@@ -148,8 +150,10 @@ def table(results: dict[str, Any]) -> str:
              f"`{results['command'].strip()}`.", ""]
     for preset, data in results["presets"].items():
         lines += [f"**{preset}**: {data['params']:,} parameters, global batch {data['global_batch']} x "
-                  f"{data['seq_len']} tokens; every run agrees with the first within 1e-5: "
-                  f"{'yes' if data['all_ok'] else 'NO'} (max loss deviation {data['max_loss_deviation']:.1e}).", "",
+                  f"{data['seq_len']} tokens; every run agrees with the first within {data['tolerance']:g} on "
+                  f"losses and {data['norm_tolerance']:g} on grad norms: {'yes' if data['all_ok'] else 'NO'} (max "
+                  f"loss deviation {data['max_loss_deviation']:.1e}, max grad-norm deviation "
+                  f"{data['max_grad_norm_deviation']:.1e}).", "",
                   "| run | median step | step time ÷ native | model state/rank | ÷ formula | peak RSS in steps "
                   "| comm/step/rank | ÷ formula |",
                   "|---|---|---|---|---|---|---|---|"]
