@@ -54,7 +54,8 @@ _CLOSEST: dict[str, str] = {
                 "sharded between steps; parameters gathered once per step)",
     "offload.parameters.device": "the offload the note names (CPUOffloadPolicy moves parameters, gradients and "
                                  "the optimizer step together)",
-    "offload.optimizer.device": "no offload of that tier",
+    "offload.optimizer.device": "the offload the note names (host memory in place of NVMe; no offload of an "
+                                "optimizer tier offloaded alone)",
     "offload.optimizer.ratio": "the whole optimizer step on the host",
     "precision.accumulate_dtype": "gradient accumulation in the master dtype",
     "wrapping": "the enclosing unit with the inner one merged into it",
