@@ -127,9 +127,11 @@ def plot(results: dict[str, Any], target: Path) -> None:
             ax.bar(range(len(names)), [runs[n][key] or 0 for n in names],
                    color=[colors[runs[n]["backend"]] for n in names])
             ax.axhline(1.0, color="black", linewidth=0.8)
-            ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+            labels = [n + (" ~" if runs[n].get("approximations") else "") for n in names]
+            ax.set_xticks(range(len(names)), labels, rotation=60, ha="right", fontsize=7)
             ax.set_title(f"{preset} ({results['presets'][preset]['params'] / 1e6:.1f}M params): {title}", fontsize=9)
-    fig.suptitle(f"world 2, gloo, {results['machine']['cpu']}, {results['date']}", fontsize=9)
+    fig.suptitle(f"world 2, gloo, {results['machine']['cpu']}, {results['date']}; ~ approximated (the backend's "
+                 "closest form, its model state against the ZeRO-2 formula)", fontsize=9)
     fig.tight_layout()
     tmp = target.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
