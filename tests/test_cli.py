@@ -135,3 +135,69 @@ def test_bad_files_exit_2_without_traceback(tmp_path: Path, text: str, fragments
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     for fragment in fragments:
         assert fragment in proc.stderr
+
+
+@pytest.mark.parametrize("name, text", [
+    ("empty.json", ""), ("blank.json", "  \n\t\n"), ("null.json", "null\n"), ("empty.yaml", ""),
+    ("null.yaml", "---\nnull\n"), ("comments.yaml", "# nothing but a comment\n"), ("empty.toml", "\n"),
+])
+def test_an_empty_file_is_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, text: str) -> None:
+    """A file with no settings is almost always a failed write: exit 2, never every default."""
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, err = run(capsys, "convert", str(path), "--to", "fsdp2")
+    assert code == 2 and out == ""
+    assert f"{path} is empty" in err and "fix:" in err and "Traceback" not in err
+
+
+def test_json_only_hjson_reads_is_read_with_a_warning_naming_the_line(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "zero_optimization": {"stage": 2}\n  "bf16": {"enabled": true}\n}\n')  # missing comma
+    code, out, err = run(capsys, "convert", str(path), "--to", "deepspeed")
+    assert code == 0 and json.loads(out)["zero_optimization"]["stage"] == 2  # read as DeepSpeed reads it
+    assert f"warning: {path}: syntax: line 3" in err and "Accelerate" in err and "json" in err
+    assert run(capsys, "convert", str(path), "--to", "deepspeed", "--strict")[0] == 0  # syntax changes nothing
+    path.write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}')
+    assert "syntax" not in run(capsys, "convert", str(path), "--to", "deepspeed")[2]
+
+
+def test_world_size_fills_accelerate_and_deepspeed(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import yaml
+
+    code, out, err = run(capsys, "convert", "zero3", "--to", "accelerate-fsdp")
+    assert code == 0 and "num_processes" not in yaml.safe_load(out)
+    assert "pass --world-size N to zerobridge convert, or --num_processes N to accelerate launch" in \
+        run(capsys, "convert", "zero3", "--to", "accelerate-fsdp", "--explain")[2]
+    for target in ("accelerate-fsdp", "accelerate-deepspeed"):
+        code, out, _ = run(capsys, "convert", "zero3", "--to", target, "--world-size", "8")
+        assert code == 0 and yaml.safe_load(out)["num_processes"] == 8
+    code, out, _ = run(capsys, "convert", "mics", "--to", "accelerate-fsdp", "--world-size", "16")
+    written = yaml.safe_load(out)
+    assert written["num_processes"] == 16 and written["parallelism_config"]["parallelism_config_dp_shard_size"] == 8
+    source = tmp_path / "ds.json"
+    source.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4, '
+                      '"gradient_accumulation_steps": 2}')
+    code, out, _ = run(capsys, "convert", str(source), "--to", "deepspeed", "--world-size", "8")
+    assert code == 0 and json.loads(out)["train_batch_size"] == 64  # 4 x 2 x 8
+    code, out, _ = run(capsys, "convert", str(source), "--to", "deepspeed")
+    assert "train_batch_size" not in json.loads(out)  # DeepSpeed derives it from the launcher's world size
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["mics", "--world-size", "12"], ["--world-size: sharding.shard_group=8 does not divide the world size 12"]),
+    (["zero3-hpz", "--world-size", "3"], ["--world-size: sharding.backward_gather_group=8 does not divide"]),
+])
+def test_world_size_that_does_not_fit_is_bad_input(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                   fragments: list[str]) -> None:
+    code, out, err = run(capsys, "convert", *argv, "--to", "accelerate-fsdp")
+    assert code == 2 and out == "" and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_world_size_against_the_source_s_own(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "accelerate.yaml"
+    source.write_text("distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_version: 2\n")
+    code, out, err = run(capsys, "convert", str(source), "--to", "accelerate-fsdp", "--world-size", "8")
+    assert code == 2 and "the source is for 4 ranks" in err and "pass --world-size 4" in err

@@ -152,6 +152,29 @@ def test_dynamic_loss_scale_hysteresis_and_growth() -> None:
     assert seen == [16.0, 8.0, 4.0, 4.0, 4.0, 4.0, 8.0]
 
 
+def test_grad_norm_does_not_depend_on_how_gradients_are_sharded() -> None:
+    """The native engine and the FSDP2 backend sum per-shard parts of the norm (``norm_part``):
+    accumulated in float64, splitting a 12M-element gradient into shards of any size moves the
+    global norm by float64 rounding only. In float32 the split alone moved it by ~1e-4."""
+    from zerobridge.engine.step import apply_clip, norm_part
+
+    torch.manual_seed(0)
+    grad = torch.randn(12_000_000) * 1e-3
+    exact = grad.double().pow(2).sum().sqrt().item()
+    whole = norm_part([grad], 2.0, torch.device("cpu"))
+    assert whole.dtype == torch.float64  # all-reduced in float64 too
+    for shards in (2, 3, 8):
+        parts = sum(norm_part([piece], 2.0, torch.device("cpu")) for piece in grad.tensor_split(shards))
+        assert abs(parts.sqrt().item() - exact) / exact < 1e-12
+    assert abs(whole.sqrt().item() - exact) / exact < 1e-12
+    inf = norm_part(list(grad.tensor_split(3)), float("inf"), torch.device("cpu"))
+    assert inf.item() == grad.abs().max().item()
+    grads = [grad[:10].clone()]
+    total = apply_clip(grads, norm_part(grads, 2.0, torch.device("cpu")), 1e-6, 2.0)
+    assert total.dtype == torch.float32 and grads[0].dtype == torch.float32
+    assert torch.linalg.vector_norm(grads[0].double()).item() == pytest.approx(1e-6, rel=1e-3)  # torch's +1e-6
+
+
 def test_bus_volume_convention() -> None:
     stats = CommStats()
     stats.record("all_reduce", 1000, group_size=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +16,9 @@ from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.translate.deepspeed import read_deepspeed
 from zerobridge.translate.deepspeed_emit import write_deepspeed
 from zerobridge.translate.report import Status
+from conftest import corpus_files
 from zerobridge.translate.sources import Located, parse_json
+from zerobridge.translate.sources import read_text as read_file_text
 
 
 def read(config: dict[str, Any]) -> Any:
@@ -264,3 +267,46 @@ def test_round_trip_is_stable(config: dict[str, Any]) -> None:
     assert again == spec
     assert write_deepspeed(again).value == written
     json.dumps(written)  # plain JSON
+
+
+# --- "auto" comes back as exactly the keys the source had ------------------------------------------------
+
+
+def _auto_keys(config: dict[str, Any], prefix: str = "") -> set[str]:
+    """Canonical dotted paths whose value is "auto" (aliases folded through the mapping table)."""
+    from zerobridge.translate.mapping import load_table
+
+    table, found = load_table("deepspeed"), set()
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found |= _auto_keys(value, f"{path}.")
+        elif value == "auto":
+            row = table.find(path)
+            found.add(row.path if row is not None else path)
+    return found
+
+
+@pytest.mark.parametrize("source, autos", [
+    ({"fp16": {"enabled": "auto"}}, {"fp16.enabled"}),
+    ({"bf16": {"enabled": "auto"}}, {"bf16.enabled"}),
+    ({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}, {"fp16.enabled", "bf16.enabled"}),
+    ({"fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": False}}, {"fp16.enabled"}),
+])
+def test_auto_precision_comes_back_as_the_sections_the_source_had(source: dict[str, Any], autos: set[str]) -> None:
+    """An "auto" section the source never had would let HF Trainer's --bf16 (or --fp16) switch it on."""
+    spec = read_deepspeed(Located({"zero_optimization": {"stage": 2}, **source}, "ds.json")).value
+    written = write_deepspeed(spec).value
+    assert _auto_keys(written) == autos
+    again = write_deepspeed(read_deepspeed(Located(written, "again.json")).value).value
+    assert again == written
+
+
+@pytest.mark.corpus
+@pytest.mark.parametrize("path", corpus_files("deepspeed"), ids=lambda p: p.name)
+def test_corpus_keeps_its_set_of_auto_keys(path: Path) -> None:
+    source = parse_json(read_file_text(path), str(path))
+    written = write_deepspeed(read_deepspeed(source).value).value
+    carried = {"optimizer", "scheduler"}  # carried verbatim, "auto" and all
+    expected = {k for k in _auto_keys(source.data) if k.split(".")[0] not in carried}
+    assert {k for k in _auto_keys(written) if k.split(".")[0] not in carried} == expected

@@ -342,11 +342,33 @@ def test_offload_tiers_fsdp_cannot_separate(fmt: str) -> None:
     params_only = WRITE[fmt](spec_of(sharding=ShardingSpec.for_stage(3), offload={"parameters": {"device": "cpu"}}))
     assert params_only.value[key] is not None
     assert status(params_only.report, "offload.parameters.device") is Status.APPROXIMATED
+
+
+@pytest.mark.parametrize("fmt", ["fsdp1", "fsdp2"])
+def test_nvme_offload_becomes_cpu_offload_reported_as_approximated(fmt: str) -> None:
+    """ZeRO-Infinity's nearest runnable FSDP form is CPU offload (as Accelerate maps it), never none."""
+    key = "cpu_offload" if fmt == "fsdp1" else "offload_policy"
     nvme = {"device": "nvme", "nvme_path": "/local_nvme"}
     infinity = WRITE[fmt](spec_of(sharding=ShardingSpec.for_stage(3), offload={"optimizer": nvme, "parameters": nvme}))
-    assert infinity.value[key] is None
-    assert status(infinity.report, "offload.parameters.device") is Status.NOT_EXPRESSIBLE
-    assert status(infinity.report, "offload.optimizer.device") is Status.NOT_EXPRESSIBLE
+    assert infinity.value[key] is not None
+    for tier in ("parameters", "optimizer"):
+        entry = infinity.report.find(f"offload.{tier}.device")
+        assert entry is not None and entry.status is Status.APPROXIMATED and "nvme -> cpu" in entry.note
+    params_only = WRITE[fmt](spec_of(sharding=ShardingSpec.for_stage(3), offload={"parameters": nvme}))
+    assert params_only.value[key] is not None and "nvme -> cpu" in str(params_only.report.render())
+
+
+@pytest.mark.parametrize("target, written", [("fsdp2", '"offload_policy": {'), ("fsdp1", '"offload_params": true'),
+                                             ("accelerate-fsdp", "fsdp_offload_params: true")])
+def test_zero_infinity_converts_to_cpu_offload_and_strict_refuses(target: str, written: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from zerobridge.cli import main
+
+    assert main(["convert", "zero-infinity", "--to", target]) == 0
+    out, err = capsys.readouterr()
+    assert written in out and "approximated" in err
+    assert main(["convert", "zero-infinity", "--to", target, "--strict"]) == 1
+    assert capsys.readouterr().out == ""
 
 
 def test_offload_with_no_shard_is_dropped_on_read() -> None:

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--from", dest="fmt", choices=sorted(SOURCES), help="source format (detected when omitted)")
     c.add_argument("--explain", action="store_true", help="print the key-by-key report on stderr")
     c.add_argument("--strict", action="store_true", help="exit 1 when anything is approximated")
+    c.add_argument("--world-size", type=_number, metavar="N",
+                   help="ranks the config will run on: written where the target has a key for it (Accelerate "
+                        "num_processes, DeepSpeed train_batch_size, FSDP meshes); hybrid groups must divide it")
     c.add_argument("-o", "--output", type=Path, help="write here (atomically) instead of stdout")
 
     e = sub.add_parser("explain", help="what is sharded where; bytes per rank; bytes moved per step")
@@ -109,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _warn(report: Report) -> None:
-    for entry in report.approximations:
+    for entry in report.warnings:
         print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
 
 
@@ -134,10 +137,11 @@ def _render(value: Any, target: str) -> str:
 
 def _convert(args: argparse.Namespace) -> int:
     from zerobridge.loading import load
-    from zerobridge.translate.formats import write
+    from zerobridge.translate.formats import for_world_size, write
 
     read = load(args.source, fmt=args.fmt)
-    written = write(read.value, args.to)
+    spec = read.value if args.world_size is None else for_world_size(read.value, args.world_size)
+    written = write(spec, args.to)
     if args.explain:
         print(read.report.render(), file=sys.stderr)
         print(written.report.render(), file=sys.stderr)

@@ -59,7 +59,9 @@ def _default(field: FieldInfo) -> str:
         return f"{type(value).__name__}()"
     if isinstance(value, enum.Enum):
         value = value.value
-    return f"`{value!r}`" if value not in ({}, ()) else "empty"
+    if isinstance(value, tuple):
+        value = [v.value if isinstance(v, enum.Enum) else v for v in value]
+    return f"`{value!r}`" if value not in ({}, (), []) else "empty"
 
 
 def _models(model: type[BaseModel], seen: dict[str, type[BaseModel]]) -> None:
@@ -98,7 +100,8 @@ def render_translators() -> str:
            "One table per format, generated from `mappings/*.toml`, the same rows the translators read. "
            "Status says how reading the key maps onto the spec: `exact` (same meaning and mechanics), "
            "`equivalent` (same math, different mechanics), `approximated` (closest form; warned), `ignored` "
-           "(the format's own consumer ignores it; warned). Keys listed as carried are not about sharding and "
+           "(the format's own consumer ignores it; warned), `syntax` (read as the consumer reads it, but other readers "
+           "of the file refuse it; warned, not an approximation). Keys listed as carried are not about sharding and "
            "pass through unchanged.\n"]
     for fmt in table_names():
         table = load_table(fmt)
@@ -116,6 +119,12 @@ def render_translators() -> str:
         if table.passthrough:
             out.append("\nCarried verbatim (not about sharding): " +
                        ", ".join(f"`{p}`" for p in table.passthrough) + ".\n")
+        if table.removed:
+            out.append("\nRemoved by the consumer, which raises on them: read from older files, reported as "
+                       "`not_expressible` and never written: " +
+                       "; ".join(f"`{p}` ({note})" for p, note in table.removed.items()) + ".\n")
+        if table.notes:
+            out.append("\n" + "".join(f"- {note}\n" for note in table.notes))
     return "".join(out)
 
 

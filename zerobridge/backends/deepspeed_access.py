@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerobridge.engine.step import norm_part
+
 __all__ = ["Access", "held_bytes", "shape_of"]
 
 _MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
@@ -114,10 +116,9 @@ class Access:
 
             grads, _ = wrapper.get_grads_for_norm()
             norm = get_global_norm_of_tensors(input_tensors=grads, mpu=wrapper.mpu, norm_type=2)
-        else:  # stage 0: every rank holds the same reduced gradients
+        else:  # stage 0: every rank holds the same reduced gradients; float64 as DeepSpeed's ZeRO norms
             grads = [p.grad for p in self.trainable() if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) \
-                if grads else torch.zeros(())
+            norm = norm_part(grads, 2.0, torch.device("cpu"))[0].sqrt()
         return torch.as_tensor(norm, dtype=torch.float32).detach().reshape(()).cpu()
 
     @property

@@ -31,7 +31,7 @@ from zerobridge.translate.fsdp import with_world_size
 from zerobridge.translate.fsdp2 import write_fsdp2
 from zerobridge.translate.report import Entry, Status
 
-__all__ = ["HANDLED", "Assessment", "assess", "neutral", "refuse", "resolved"]
+__all__ = ["CLOSEST_STAGE", "HANDLED", "Assessment", "assess", "neutral", "refuse", "resolved"]
 
 HANDLED: dict[str, str] = {
     "wrapping": "units cut by zerobridge.engine.units.unit_modules, the native engine's own",
@@ -54,12 +54,18 @@ _CLOSEST: dict[str, str] = {
                 "sharded between steps; parameters gathered once per step)",
     "offload.parameters.device": "the offload the note names (CPUOffloadPolicy moves parameters, gradients and "
                                  "the optimizer step together)",
-    "offload.optimizer.device": "no offload of that tier",
+    "offload.optimizer.device": "the offload the note names (host memory in place of NVMe; no offload of an "
+                                "optimizer tier offloaded alone)",
     "offload.optimizer.ratio": "the whole optimizer step on the host",
     "precision.accumulate_dtype": "gradient accumulation in the master dtype",
     "wrapping": "the enclosing unit with the inner one merged into it",
 }
 """The closest FSDP2 form of each refused key, named in the refusal's fix."""
+
+CLOSEST_STAGE: dict[int, int] = {1: 2, 2: 2}
+"""ZeRO stages FSDP2 has no form for, and the stage whose formulas its closest form
+(``_CLOSEST["sharding"]``) is measured against: gradients and optimizer state are
+sharded as in ZeRO-2, parameters are sharded at rest as well, so it holds less."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from zerobridge.spec import StrategySpec
     from zerobridge.translate.report import Entry
 
-__all__ = ["preflight"]
+__all__ = ["formula_stage", "preflight"]
 
 
 def preflight(backend: str, spec: StrategySpec, *, world_size: int | None, local_world_size: int | None = None,
@@ -46,6 +46,17 @@ def preflight(backend: str, spec: StrategySpec, *, world_size: int | None, local
     if backend == "deepspeed":
         return _deepspeed(spec, world_size, allow_approximate)
     raise ConfigError(f"unknown backend {backend!r}", key="backend", fix="choose native, fsdp or deepspeed")
+
+
+def formula_stage(backend: str, spec: StrategySpec, approximations: list[Entry]) -> int | None:
+    """The ZeRO stage whose memory and traffic formulas describe the closest form
+    ``backend`` runs for ``spec`` with ``approximations`` (``preflight``'s answer), when
+    that is FSDP2's form of ZeRO-1 or ZeRO-2 sharding; None otherwise (the spec's own)."""
+    if backend == "fsdp" and any(e.key == "sharding" for e in approximations):
+        from zerobridge.backends.fsdp_plan import CLOSEST_STAGE
+
+        return CLOSEST_STAGE.get(spec.sharding.stage.value)
+    return None
 
 
 def _fsdp(spec: StrategySpec, world_size: int | None, local_world_size: int | None,

@@ -3,8 +3,10 @@
     >>> from zerobridge.compare import plan
     >>> p = plan(stages=[1, 3], backends=["native", "fsdp", "deepspeed"], nproc=2, steps=3)
     >>> [r.name for r in p.runs]
-    ['native/stage1', 'deepspeed/stage1', 'native/stage3', 'fsdp/stage3', 'deepspeed/stage3']
-    >>> [(s.backend, s.label) for s in p.comparison.skipped]
+    ['native/stage1', 'fsdp/stage1', 'deepspeed/stage1', 'native/stage3', 'fsdp/stage3', 'deepspeed/stage3']
+    >>> [r.name for r in p.runs if r.approximations]  # FSDP2's closest form of ZeRO-1, marked ~
+    ['fsdp/stage1']
+    >>> [(s.backend, s.label) for s in plan(stages=[1], exact_only=True).comparison.skipped]
     [('fsdp', 'stage1')]
 
 ``compare(...)`` runs such a plan (each run in a fresh process group) and

@@ -22,6 +22,7 @@ from zerobridge.compare.report import Comparison
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
 from zerobridge.compare.workload import BUILTIN, resolve_model
 from zerobridge.errors import ConfigError
+from zerobridge.spec import ShardingSpec
 
 __all__ = ["Plan", "compare", "plan", "run_plan"]
 
@@ -71,14 +72,17 @@ class Plan:
     global_batch: int | None
     seq_len: int | None
     seed: int
-    allow_approximate: bool
+    exact_only: bool
+    """Skip what a backend can only approximate (else run its closest form, marked)."""
 
 
 def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
          backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
          global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
-         norm_tolerance: float = 1e-4, seed: int = 0, allow_approximate: bool = False) -> Plan:
-    """Check the inputs, build the workload once (in this process) and plan the runs."""
+         norm_tolerance: float = 1e-4, seed: int = 0, exact_only: bool = False) -> Plan:
+    """Check the inputs, build the workload once (in this process) and plan the runs. What a
+    backend can only approximate runs in its closest form (``Planned.approximations``)
+    unless ``exact_only``, which skips it."""
     chosen_stages = list(STAGES if stages is None and not configs else stages or [])
     _check(chosen_stages, list(backends), nproc, steps, tolerance, norm_tolerance)
     work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
@@ -88,13 +92,13 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
     params = sum(p.numel() for p in work.model.parameters() if p.requires_grad)
     kind = _optimizer_kind(work.optimizer(work.model))
     runs, skipped = plan_runs(stages=chosen_stages, configs=configs, backends=backends, world_size=nproc,
-                              allow_approximate=allow_approximate)
+                              allow_approximate=not exact_only)
     if not runs:
         raise ConfigError("nothing to compare: every combination was skipped", key="--backends",
                           fix="; ".join(f"{s.backend}/{s.label}: {s.reason}" for s in skipped) or None)
     comparison = Comparison(runs=[], skipped=skipped, tolerance=tolerance, norm_tolerance=norm_tolerance,
                             model=model, params=params, world_size=nproc, steps=steps)
-    return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, allow_approximate)
+    return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, exact_only)
 
 
 def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
@@ -102,7 +106,10 @@ def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
 
     if optimizer is None:
         return
-    told = explain(outcome.planned.spec, params=params, world_size=outcome.world_size, optimizer=optimizer)
+    spec, stage = outcome.planned.spec, outcome.planned.formula_stage
+    if stage is not None:  # a closest form: judged against the formulas of the stage it stands for
+        spec = spec.model_copy(update={"sharding": ShardingSpec.for_stage(stage)})
+    told = explain(spec, params=params, world_size=outcome.world_size, optimizer=optimizer)
     outcome.formula_model_state_bytes = told.model_state_bytes
     outcome.formula_comm_bytes = told.comm_bytes_per_step
 
@@ -110,7 +117,7 @@ def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
 def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
             backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
             global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
-            norm_tolerance: float = 1e-4, clip: float | None = 1.0, seed: int = 0, allow_approximate: bool = False,
+            norm_tolerance: float = 1e-4, clip: float | None = 1.0, seed: int = 0, exact_only: bool = False,
             timeout_s: float = 900.0,
             progress: Callable[[int, int, RunOutcome], None] | None = None) -> Comparison:
     """Train ``model`` for ``steps`` steps on every stage (default 0-3 when no ``configs``) and
@@ -120,8 +127,7 @@ def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path
     """
     planned = plan(stages=stages, configs=configs, backends=backends, nproc=nproc, steps=steps, model=model,
                    global_batch=global_batch, seq_len=seq_len, tolerance=tolerance,
-                   norm_tolerance=norm_tolerance, seed=seed,
-                   allow_approximate=allow_approximate)
+                   norm_tolerance=norm_tolerance, seed=seed, exact_only=exact_only)
     return run_plan(planned, clip=clip, timeout_s=timeout_s, progress=progress)
 
 
@@ -137,6 +143,6 @@ def run_plan(planned: Plan, *, clip: float | None = 1.0, timeout_s: float = 900.
 
     comparison.runs = execute(planned.runs, model=planned.model, global_batch=planned.global_batch,
                               seq_len=planned.seq_len, world_size=comparison.world_size, steps=comparison.steps,
-                              seed=planned.seed, clip=clip, allow_approximate=planned.allow_approximate,
+                              seed=planned.seed, clip=clip, allow_approximate=not planned.exact_only,
                               timeout_s=timeout_s, progress=report)
     return comparison

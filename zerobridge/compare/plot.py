@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zerobridge.checkpoint.storage import atomic_write_file
-from zerobridge.compare.report import Comparison
+from zerobridge.compare.report import Comparison, display_name
 from zerobridge.errors import ConfigError
 
 __all__ = ["require_matplotlib", "write_plot"]
@@ -36,10 +36,11 @@ def write_plot(comparison: Comparison, target: Path) -> Path:
     import matplotlib.pyplot as plt
 
     done = [r for r in comparison.runs if r.error is None]
-    names = [r.planned.name for r in done]
+    names = [display_name(r) for r in done]
     fig, (curves, memory, comm) = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [1.2, 1, 1]})
     for index, run in enumerate(done):
-        curves.plot(range(len(run.losses)), run.losses, label=run.planned.name, linewidth=1.4,
+        approximate = " (approximated)" if run.planned.approximations else ""
+        curves.plot(range(len(run.losses)), run.losses, label=run.planned.name + approximate, linewidth=1.4,
                     linestyle=("-", "--", ":", "-.")[index % 4])
     curves.set(title=f"loss (max deviation {comparison.max_deviation():.1e})", xlabel="step", ylabel="loss")
     curves.legend(fontsize=7)
@@ -52,8 +53,10 @@ def write_plot(comparison: Comparison, target: Path) -> Path:
         bottom = [b + v for b, v in zip(bottom, values)]
     formula = [(i, r.formula_model_state_bytes / _MIB) for i, r in enumerate(done) if r.formula_model_state_bytes]
     if formula:
+        stages = sorted({r.planned.formula_stage for r in done if r.planned.formula_stage is not None})
+        against = "ZeRO formula" + (f" (~ runs: ZeRO-{'/'.join(map(str, stages))})" if stages else "")
         memory.scatter([i for i, _ in formula], [v for _, v in formula], marker="_", s=400, color="black",
-                       label="ZeRO formula", zorder=3)
+                       label=against, zorder=3)
     memory.set(title="model state per rank (MiB)", ylabel="MiB")
     memory.set_xticks(list(positions), names, rotation=60, ha="right", fontsize=7)
     memory.legend(fontsize=7)

@@ -7,6 +7,9 @@
     >>> runs, skipped = plan_runs(stages=[1], configs=[], backends=["native", "fsdp"], world_size=2)
     >>> [r.name for r in runs], [(s.backend, s.stage) for s in skipped]
     (['native/stage1'], [('fsdp', 1)])
+    >>> runs, _ = plan_runs(stages=[1], configs=[], backends=["fsdp"], world_size=2, allow_approximate=True)
+    >>> [(r.name, r.approximations, r.formula_stage) for r in runs]
+    [('fsdp/stage1', ('sharding',), 2)]
 
 Each run gets its own ``Cluster`` (spawned processes, one default group),
 torn down before the next starts: peak memory is then the run's own, and
@@ -52,7 +55,10 @@ class Planned:
     by_stage: bool
     """Whether the ranks pass ``stage=`` (True) or ``config=spec`` (False) to ``prepare``."""
     approximations: tuple[str, ...] = ()
-    """Spec keys the backend runs approximately (only with ``allow_approximate``)."""
+    """Spec keys the backend runs approximately (none with ``exact_only``)."""
+    formula_stage: int | None = None
+    """The ZeRO stage whose formulas a closest form is measured against (FSDP2's form of
+    ZeRO-1 and ZeRO-2: ZeRO-2's); None: the spec's own."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
     """Every stage and config on every backend, grouped by spec in the order given; what a
     backend cannot express at ``world_size`` is skipped with the reason. A config that does
     not load raises ``ConfigError``."""
-    from zerobridge.backends.preflight import preflight
+    from zerobridge.backends.preflight import formula_stage, preflight
 
     runs: list[Planned] = []
     skipped: list[Skipped] = []
@@ -139,7 +145,8 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
                 reason = f"{exc.key}: {exc.message}" if exc.key else exc.message
                 skipped.append(Skipped(backend, stage, label, reason))
                 continue
-            runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage, tuple(e.key for e in found)))
+            runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage, tuple(e.key for e in found),
+                                formula_stage(backend, spec, found)))
     return runs, skipped
 
 

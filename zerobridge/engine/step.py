@@ -60,25 +60,45 @@ def nonfinite_flag(grads: list[torch.Tensor], device: torch.device | None) -> to
     return flag
 
 
+_NORM_CHUNK = 1 << 22
+"""Elements cast to float64 at a time by ``_float64_norm`` (32 MiB)."""
+
+
+def _float64_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``grad``'s ``norm_type``-norm accumulated in float64, cast a chunk at a time so that
+    no float64 copy of a large gradient is ever held whole."""
+    flat = grad.reshape(-1)
+    if flat.numel() <= _NORM_CHUNK:
+        return torch.linalg.vector_norm(flat, norm_type, dtype=torch.float64)
+    parts = torch.stack([torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in flat.split(_NORM_CHUNK)])
+    return torch.linalg.vector_norm(parts, norm_type)
+
+
 def norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's part of the global gradient norm, ``[1]`` float32 on ``device``: the sum of
-    the ``norm_type``-th powers of its gradients' norms (their largest for the inf-norm)."""
+    """This rank's part of the global gradient norm, ``[1]`` float64 on ``device``: the sum of
+    the ``norm_type``-th powers of its gradients' norms (their largest for the inf-norm).
+
+    Every norm is accumulated in float64, and the part is all-reduced in float64: in
+    float32 the rounding of sums over tens of millions of elements depends on how the
+    elements are split into shards, so sharding alone would move the norm (by 1e-5 at
+    20M parameters) and, through clipping, the losses."""
     if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        norms = torch.stack([_float64_norm(g, norm_type) for g in grads])
         local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
     else:
-        local = torch.zeros((), device=device)
-    return local.reshape(1).to(device, torch.float32)
+        local = torch.zeros((), dtype=torch.float64, device=device)
+    return local.reshape(1).to(device, torch.float64)
 
 
 def apply_clip(grads: list[torch.Tensor], reduced: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
     """The global norm from the all-reduced ``norm_part`` (SUM, or MAX for the inf-norm); scale
-    ``grads`` so that it is at most ``max_norm`` (torch's formula); return the norm before."""
+    ``grads`` so that it is at most ``max_norm`` (torch's formula, in float64); return the
+    norm before, as float32 (what torch returns for float32 gradients)."""
     total = reduced[0] if norm_type == float("inf") else reduced[0].pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
-    return total
+    return total.to(torch.float32)
 
 
 @dataclass

@@ -68,6 +68,10 @@ class PrecisionSpec(SpecModel):
     """Dtype of the weights the optimizer steps and of its state. fp32 with a
     16-bit ``param_dtype`` is DeepSpeed's master-weight scheme; equal to
     ``param_dtype`` is FSDP training in the dtype the model was loaded in."""
+    auto_choices: tuple[DType, ...] = (DType.BF16, DType.FP16)
+    """With ``param_dtype = "auto"``: the 16-bit dtypes the launcher may switch on
+    (HF Trainer's ``--bf16`` / ``--fp16`` fill only the sections that say
+    ``"auto"``), besides fp32. Ignored, and kept at its default, otherwise."""
     reduce_dtype: DType | Auto = DType.FP32
     """Dtype gradients are reduced in. When not given: the compute dtype (the
     default of DeepSpeed and of FSDP alike)."""
@@ -93,6 +97,8 @@ class PrecisionSpec(SpecModel):
             for name in ("reduce_dtype", "accumulate_dtype"):
                 if data.get(name) is None:
                     data[name] = compute
+            if not is_auto(compute):
+                data.pop("auto_choices", None)
         return data
 
     @model_validator(mode="after")
@@ -103,6 +109,12 @@ class PrecisionSpec(SpecModel):
                 f"{self.param_dtype!s}: loss scaling only applies to fp16; set "
                 "loss_scaling={kind='none'} or param_dtype='fp16'"
             )
+        if not self.auto_choices or DType.FP32 in self.auto_choices:
+            raise ValueError(f"precision.auto_choices={[d.value for d in self.auto_choices]}: name the 16-bit "
+                             "dtypes \"auto\" may become, one or both of 'bf16' and 'fp16' (fp32 always can)")
+        if is_auto(self.param_dtype) and self.loss_scaling.kind != "none" and DType.FP16 not in self.auto_choices:
+            raise ValueError("precision.loss_scaling is set but auto_choices leaves fp16 out: add 'fp16' to "
+                             "auto_choices, or set loss_scaling={kind='none'}")
         if not is_auto(self.param_dtype) and self.master_dtype not in (DType.FP32, self.param_dtype):
             raise ValueError(
                 f"precision.master_dtype={self.master_dtype!s} with param_dtype={self.param_dtype!s}: "

@@ -33,7 +33,7 @@ from zerobridge.spec import AUTO, DType, Stage, StrategySpec, is_auto
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
-from zerobridge.translate.sources import Located, parse_json, read_text
+from zerobridge.translate.sources import Located, note_lenient, parse_json, read_text
 
 __all__ = ["read_accelerate"]
 
@@ -190,6 +190,7 @@ def _read_deepspeed(keys: SourceKeys, mixed: str, world: int | None, base_dir: P
             raise loc.error(f"deepspeed_config_file {str(file)!r}: {ds_path}: {exc.message}", key=keys.key(file_key),
                             fix="give a path relative to where accelerate launch runs (base_dir) or an absolute "
                                 "one") from None
+        note_lenient(ds_loc, keys.report)
         data = dict(ds_loc.data)
         if not isinstance(data.get("zero_optimization"), dict):
             raise ds_loc.error("no zero_optimization section: Accelerate requires one", key="zero_optimization",

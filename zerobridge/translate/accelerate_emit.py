@@ -169,6 +169,10 @@ def _base(spec: StrategySpec, report: Report) -> tuple[dict[str, Any], dict[str,
                        f"in {p.param_dtype}", target="mixed_precision")
     if spec.sharding.world_size:
         out["num_processes"] = spec.sharding.world_size
+    elif "num_processes" not in out:
+        report.add("sharding.world_size", Status.AUTO, "num_processes not written (the source does not fix the "
+                   "world size): pass --world-size N to zerobridge convert, or --num_processes N to accelerate "
+                   "launch, which refuses this file without one", target="num_processes")
     return out, sections
 
 

@@ -201,6 +201,8 @@ def _precision(keys: SourceKeys) -> dict[str, Any]:
     accumulate = _dtype_key(keys, "data_types.grad_accum_dtype") or compute
     buffer = _dtype_key(keys, "data_types.buffer_dtype")
     fields: dict[str, Any] = {"param_dtype": compute, "master_dtype": master if compute is not AUTO else DType.FP32,
+                              "auto_choices": tuple(d for flag, d in ((bf16, DType.BF16), (fp16, DType.FP16))
+                                                    if flag == AUTO),
                               "reduce_dtype": reduce, "accumulate_dtype": accumulate, "buffer_dtype": buffer,
                               "loss_scaling": _loss_scaling(keys, compute)}
     if compute == DType.FP16:
@@ -217,7 +219,7 @@ def _precision(keys: SourceKeys) -> dict[str, Any]:
 def _loss_scaling(keys: SourceKeys, compute: Any) -> Any:
     paths = ("fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
              "fp16.consecutive_hysteresis", "fp16.min_loss_scale")
-    if compute not in (DType.FP16, AUTO) or keys.get("fp16.enabled") is False:
+    if compute is not DType.FP16 and keys.get("fp16.enabled") != AUTO:  # fp16 can never be switched on
         for path in paths:
             if keys.given(path):
                 keys.note(path, Status.EXACT, "unused: fp16 is not enabled, so there is no loss scaling")

@@ -9,7 +9,8 @@
 DeepSpeed's defaults have moved between releases (clipping 0.0 -> 1.0,
 pin_memory false -> true), so the output never relies on one: each key the
 spec decides is written. Keys DeepSpeed would reject (its sections forbid
-unknown keys) are never emitted.
+unknown keys; the keys it removed, ``[removed]`` in ``mappings/deepspeed.toml``,
+make it raise) are never emitted.
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ def write_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]]:
     out.update(_precision(spec, report))
     out["zero_optimization"] = zero
     _checkpoint(spec, stage, zero, report)
-    if spec.sharding.world_size is not None:
+    if "train_batch_size" in out and spec.batch.global_batch_size is None:
+        report.add("sharding.world_size", Status.EQUIVALENT, f"DeepSpeed takes the world size from the launcher; "
+                   f"train_batch_size = micro-batch x accumulation x {spec.sharding.world_size} fixes it",
+                   target="train_batch_size")
+    elif spec.sharding.world_size is not None:
         report.add("sharding.world_size", Status.NOT_EXPRESSIBLE,
                    f"DeepSpeed takes the world size ({spec.sharding.world_size}) from the launcher")
     _passthrough(spec, out, report)
@@ -192,10 +197,11 @@ def _precision(spec: StrategySpec, report: Report) -> dict[str, Any]:
     out: dict[str, Any] = {}
     auto = is_auto(p.param_dtype)
     scaling = p.loss_scaling
-    # "auto" with no loss scaling admits bf16 only; with loss scaling, fp16 too.
-    fp16_auto = auto and scaling.kind != "none"
+    # "auto" comes back as exactly the sections that may switch on: an "auto" section the
+    # source never had would let HF Trainer's --bf16 / --fp16 turn it on.
+    fp16_auto = auto and DType.FP16 in p.auto_choices and scaling.kind != "none"
     fp16: dict[str, Any] = {"enabled": AUTO if fp16_auto else p.param_dtype == DType.FP16}
-    bf16: dict[str, Any] = {"enabled": AUTO if auto else p.param_dtype == DType.BF16}
+    bf16: dict[str, Any] = {"enabled": AUTO if auto and DType.BF16 in p.auto_choices else p.param_dtype == DType.BF16}
     if isinstance(scaling, StaticLossScale):
         fp16["loss_scale"] = scaling.scale
     elif isinstance(scaling, DynamicLossScale):
@@ -241,8 +247,11 @@ def _precision(spec: StrategySpec, report: Report) -> dict[str, Any]:
 
 def _batch(spec: StrategySpec, stage: Stage, out: dict[str, Any], report: Report) -> None:
     b = spec.batch
+    world = spec.sharding.world_size
     if b.global_batch_size is not None:
         out["train_batch_size"] = b.global_batch_size
+    elif world is not None and isinstance(b.micro_batch_size, int) and isinstance(b.accumulation_steps, int):
+        out["train_batch_size"] = b.micro_batch_size * b.accumulation_steps * world
     if b.micro_batch_size is not None:
         out["train_micro_batch_size_per_gpu"] = b.micro_batch_size
     if b.accumulation_steps is not None:
@@ -280,7 +289,12 @@ def _checkpoint(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: 
 
 
 def _passthrough(spec: StrategySpec, out: dict[str, Any], report: Report) -> None:
+    removed = load_table(FORMAT).removed
     for path, value in spec.passthrough.get(FORMAT, {}).items():
+        if path in removed:  # a spec written by hand can still carry one
+            report.add(path, Status.NOT_EXPRESSIBLE, f"DeepSpeed removed it and raises on it: {removed[path]}; "
+                                                     "not written")
+            continue
         node = out
         *parents, leaf = path.split(".")
         for part in parents:

@@ -84,11 +84,9 @@ def write_offload(spec: StrategySpec, report: Report, plan: StagePlan, *, target
             report.add("offload", Status.NOT_EXPRESSIBLE, "nothing is sharded, and the spec offloads only sharded "
                        "states: no offload written", target=target)
         return False, True
-    for name, tier in (("optimizer", opt), ("parameters", par)):
-        if tier.device is OffloadDevice.NVME:
-            report.add(f"offload.{name}.device", Status.NOT_EXPRESSIBLE, "FSDP has no NVMe tier; not offloaded "
-                       "(set device='cpu' to offload to host memory instead)", target=target)
-    on_opt, on_par = opt.device is OffloadDevice.CPU, par.device is OffloadDevice.CPU
+    # FSDP has no NVMe tier; its nearest runnable form is host memory (Accelerate maps every
+    # DeepSpeed offload device to fsdp_offload_params: true), reported as approximated below.
+    on_opt, on_par = opt.enabled, par.enabled
     if on_par and on_opt:
         report.add("offload", Status.EXACT, "parameters, gradients and the optimizer step in host memory",
                    target=target)
@@ -98,6 +96,12 @@ def write_offload(spec: StrategySpec, report: Report, plan: StagePlan, *, target
     elif on_opt:
         report.add("offload.optimizer.device", Status.NOT_EXPRESSIBLE, "FSDP cannot offload optimizer state "
                    "alone (its offload moves parameters too); no offload written", target=target)
+    if on_par:
+        for name, tier in (("optimizer", opt), ("parameters", par)):
+            if tier.device is OffloadDevice.NVME:
+                report.add(f"offload.{name}.device", Status.APPROXIMATED, "nvme -> cpu: FSDP has no NVMe tier, "
+                           "so this offloads to host memory, its nearest runnable form (needs host RAM for the "
+                           "offloaded states)", target=target)
     if on_par and on_opt and opt.ratio < 1.0:
         report.add("offload.optimizer.ratio", Status.APPROXIMATED,
                    f"FSDP offloads the whole optimizer step, not a fraction of {opt.ratio}", target=target)

@@ -71,6 +71,11 @@ class MappingTable:
     """Key paths that are not about sharding and are carried verbatim."""
     strict_sections: tuple[str, ...]
     """Sections where the consumer rejects unknown keys."""
+    removed: dict[str, str] = field(default_factory=dict, compare=False)
+    """Key paths the consumer has removed and rejects, with what became of each: read
+    (and reported as ignored) from older sources, never written."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """How files of this format are read and written beyond the key rows (docs/translators.md)."""
     named: tuple[dict[str, Any], ...] = field(default=(), compare=False)
     """The table's ``[[strategy]]`` rows: names the format's users type and
     the arguments each stands for (Lightning's strategy registry)."""
@@ -89,7 +94,7 @@ class MappingTable:
         """Every known name directly under ``section`` ("" for top level)."""
         prefix = f"{section}." if section else ""
         names = {name[len(prefix):].split(".")[0] for name in self._index() if name.startswith(prefix)}
-        names.update(p[len(prefix):].split(".")[0] for p in self.passthrough if p.startswith(prefix))
+        names.update(p[len(prefix):].split(".")[0] for p in (*self.passthrough, *self.removed) if p.startswith(prefix))
         return sorted(names)
 
     def is_passthrough(self, path: str) -> bool:
@@ -131,6 +136,8 @@ def load_table(fmt: str) -> MappingTable:
         rows=tuple(_row(r, fmt) for r in raw.get("key", ())),
         passthrough=tuple(raw.get("passthrough", ())),
         strict_sections=tuple(raw.get("strict_sections", ())),
+        removed=dict(raw.get("removed", {})),
+        notes=tuple(raw.get("notes", ())),
         named=tuple(raw.get("strategy", ())),
     )
 

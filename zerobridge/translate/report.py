@@ -40,9 +40,14 @@ class Status(StrEnum):
     IGNORED = "ignored"
     """The source's own consumer ignores it (e.g. offload_param below stage
     3). Warned on stderr."""
+    SYNTAX = "syntax"
+    """Read as the source's consumer reads it, but other readers of the same
+    file refuse it (JSON only hjson accepts). Warned on stderr; it changes
+    nothing in the run, so it is not an approximation."""
 
 
 WARN = (Status.APPROXIMATED, Status.NOT_EXPRESSIBLE, Status.IGNORED)
+"""Statuses that change the run (``--strict`` exits 1 on them)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,11 @@ class Report:
     def approximations(self) -> list[Entry]:
         """Entries that change the run: approximated, not expressible or ignored."""
         return self.with_status(*WARN)
+
+    @property
+    def warnings(self) -> list[Entry]:
+        """Entries to warn about on stderr: the approximations, and syntax other readers refuse."""
+        return self.with_status(*WARN, Status.SYNTAX)
 
     @property
     def exact(self) -> bool:

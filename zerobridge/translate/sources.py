@@ -3,7 +3,15 @@
 DeepSpeed parses its config with hjson (comments, trailing commas, unquoted
 keys) and rejects duplicate keys; Accelerate reads YAML; torchtitan TOML. Every
 parse error becomes a ``ConfigError`` with file, line and column. ``Located``
-keeps the text so later errors can name the line of a key.
+keeps the text so later errors can name the line of a key. A file with nothing
+in it (whitespace only, or a ``null`` document) is refused: it is almost
+always a write that failed, not a wish for every default. JSON that only hjson
+accepts is read, as DeepSpeed reads it, and ``Located.lenient`` says where it
+leaves JSON: Hugging Face Trainer and Accelerate load DeepSpeed configs with
+``json`` and reject such a file.
+
+    >>> parse_json('{"zero_optimization": {"stage": 2}\\n "bf16": {"enabled": true}}', "ds.json").lenient
+    "line 2, column 2: not strict JSON (Expecting ',' delimiter)"
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ import hjson
 import yaml
 
 from zerobridge.errors import ConfigError
+from zerobridge.translate.report import Report, Status
 
-__all__ = ["Located", "parse_json", "parse_toml", "parse_yaml", "read_text"]
+__all__ = ["Located", "note_lenient", "parse_json", "parse_toml", "parse_yaml", "read_text"]
 
 
 @dataclass
@@ -31,6 +40,8 @@ class Located:
     text: str = ""
     lines: dict[str, int] = field(default_factory=dict)
     """Line (1-based) of each dotted key path, where the parser knows it."""
+    lenient: str | None = None
+    """Where the text first leaves strict JSON (hjson syntax), when it does."""
 
     def line_of(self, key: str) -> int | None:
         """The line of ``key`` (or of its nearest known parent)."""
@@ -79,8 +90,17 @@ class _DuplicateKey(ValueError):
 
 
 
+def _empty(source: str) -> ConfigError:
+    return ConfigError(f"{source} is empty", fix="it holds no settings (only whitespace, or a null document), "
+                                                 "which is almost always a write that failed: write the config "
+                                                 "again, or name the file you meant")
+
+
 def parse_json(text: str, source: str) -> Located:
     """Parse DeepSpeed-style JSON: hjson syntax, duplicate keys rejected."""
+    if not text.strip():
+        raise _empty(source)
+    lenient = None
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:
@@ -97,10 +117,13 @@ def parse_json(text: str, source: str) -> Located:
                               source=source, line=line, column=col,
                               fix="fix the syntax at that position") from None
         data = _plain(data)
+        lenient = f"line {strict_error.lineno}, column {strict_error.colno}: not strict JSON ({strict_error.msg})"
+    if data is None:
+        raise _empty(source)
     if not isinstance(data, dict):
         raise ConfigError(f"expected a JSON object at the top, found {type(data).__name__}",
                           source=source, line=1, fix="wrap the settings in { ... }")
-    return Located(data=data, source=source, text=text)
+    return Located(data=data, source=source, text=text, lenient=lenient)
 
 
 def _plain(value: Any) -> Any:
@@ -178,7 +201,7 @@ def parse_yaml(text: str, source: str) -> Located:
     except yaml.YAMLError as exc:
         raise ConfigError(f"not valid YAML: {exc}", source=source) from None
     if data is None:
-        data = {}
+        raise _empty(source)
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping at the top, found {type(data).__name__}", source=source, line=1)
     lines: dict[str, int] = {}
@@ -189,6 +212,8 @@ def parse_yaml(text: str, source: str) -> Located:
 
 def parse_toml(text: str, source: str) -> Located:
     """Parse TOML (torchtitan configs, zerobridge strategy files)."""
+    if not text.strip():
+        raise _empty(source)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -206,3 +231,12 @@ def parse_toml(text: str, source: str) -> Located:
         raise ConfigError(f"not valid TOML: {message}", source=source, line=line, column=col,
                           fix="fix the syntax at that position") from None
     return Located(data=data, source=source, text=text)
+
+
+def note_lenient(located: Located, report: Report) -> None:
+    """Warn (in ``report``) where ``located`` leaves strict JSON."""
+    if located.lenient is not None:
+        report.add(located.source, Status.SYNTAX,
+                   f"{located.lenient}: DeepSpeed reads it (hjson), but Hugging Face Trainer and Accelerate "
+                   "read DeepSpeed configs with json and refuse it; quote the keys, add the missing commas and "
+                   "drop comments and trailing commas")

@@ -1,0 +1,94 @@
+"""Every Accelerate config zerobridge writes gets through ``accelerate launch``: its own
+validation (``_validate_launch_command``), the environment its launcher prepares
+(``prepare_multi_gpu_env`` for FSDP, ``prepare_deepspeed_cmd_env`` for DeepSpeed) and
+the plugin the training process builds from that environment, for both flavors, every
+registry entry and every corpus file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import corpus_files
+from zerobridge.errors import ConfigError
+from zerobridge.loading import load
+from zerobridge.registry import strategies
+from zerobridge.spec import StrategySpec
+from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.formats import for_world_size
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+launch = pytest.importorskip("accelerate.commands.launch")
+launch_utils = pytest.importorskip("accelerate.utils.launch")
+
+WORLD = 16
+"""World size for sources that fix none (every registry group divides it)."""
+WRITERS = {"accelerate-fsdp": write_accelerate_fsdp, "accelerate-deepspeed": write_accelerate_deepspeed}
+
+
+def launched(config: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What ``accelerate launch --config_file`` makes of ``config``: the plugin its training
+    process builds (None for plain data parallelism, which needs none)."""
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    args = launch.launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, defaults, mixed_from_config = launch._validate_launch_command(args)
+    if args.use_deepspeed:  # as launch_command does before deepspeed_launcher
+        fields = [*defaults.deepspeed_config.keys(), *(["mixed_precision"] if mixed_from_config else [])]
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = launch_utils.prepare_deepspeed_cmd_env(args)
+    else:
+        assert args.use_fsdp or args.multi_gpu, f"launched as {config.get('distributed_type')}"
+        env = launch_utils.prepare_multi_gpu_env(args)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    if args.use_deepspeed:
+        return DeepSpeedPlugin()
+    return FullyShardedDataParallelPlugin() if args.use_fsdp else None
+
+
+def check(spec: StrategySpec, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if spec.sharding.world_size is None:
+        spec = for_world_size(spec, WORLD)
+    config = WRITERS[target](spec).value
+    assert config["num_processes"] == spec.sharding.world_size
+    plugin = launched(config, tmp_path, monkeypatch)
+    if plugin is None:  # nothing sharded: plain DDP, as zerobridge writes stage 0 for FSDP
+        assert config["distributed_type"] == "MULTI_GPU" and spec.sharding.stage.value == 0
+    elif target == "accelerate-deepspeed":
+        assert plugin.zero_stage == config["deepspeed_config"].get("zero_stage", plugin.zero_stage)
+    else:
+        assert plugin.fsdp_version == config["fsdp_config"].get("fsdp_version", 1)
+
+
+@pytest.mark.parametrize("target", list(WRITERS))
+@pytest.mark.parametrize("entry", strategies(), ids=lambda s: s.name)
+def test_registry_entries_launch(entry: Any, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    check(entry.spec().value, target, tmp_path, monkeypatch)
+
+
+@pytest.mark.corpus
+@pytest.mark.parametrize("target", list(WRITERS))
+@pytest.mark.parametrize("path", corpus_files("deepspeed") + corpus_files("accelerate") + corpus_files("torchtitan"),
+                         ids=lambda p: p.name)
+def test_corpus_files_launch(path: Path, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        spec = load(path).value
+    except ConfigError as exc:  # e.g. a template naming a DeepSpeed file the corpus does not hold
+        pytest.skip(f"the source itself does not load: {exc.message}")
+    check(spec, target, tmp_path, monkeypatch)
+
+
+def test_without_a_world_size_accelerate_refuses_and_the_report_says_which_flag(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    translation = write_accelerate_fsdp(load("zero3").value)
+    entry = translation.report.find("sharding.world_size")
+    assert entry is not None and "--world-size N" in entry.note and "--num_processes N" in entry.note
+    with pytest.raises(ValueError, match="num_processes"):
+        launched(translation.value, tmp_path, monkeypatch)
