@@ -76,7 +76,7 @@ def materialize_deepspeed(model: nn.Module, replay: Replay, device: torch.device
         for key, value in replay.by_module():
             owner, attr, is_buffer = replay.first[key]
             if is_buffer:
-                owner._buffers[attr] = value.to(device)
+                replay.put_buffer(key, value, device)
                 continue
             param = owner._parameters[attr]
             assert param is not None

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from zerobridge.engine import collectives
+from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.units import collect_params, owners, unit_modules
 from zerobridge.errors import ConfigError
 from zerobridge.spec import WrapSpec
@@ -57,11 +59,7 @@ def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 def broadcast_from_rank0(model: nn.Module) -> None:
     """Every parameter and buffer takes rank 0's values, as the native engine starts."""
-    if dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, 0)
+    collectives.broadcast_module(model, 0, dist.group.WORLD, CommStats())  # counted by the backend's own hooks
 
 
 def cast_states(model: nn.Module, *, master: torch.dtype, buffers: torch.dtype | None) -> None:

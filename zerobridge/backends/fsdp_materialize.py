@@ -69,11 +69,10 @@ def materialize_fsdp(model: nn.Module, replay: Replay, device: torch.device, *, 
     with torch.no_grad():
         for key, value in replay.by_module():
             owner, attr, is_buffer = replay.first[key]
-            store = owner._buffers if is_buffer else owner._parameters
-            current = store[attr]
-            assert current is not None
             if is_buffer:
-                store[attr] = value.to(device, current.dtype)
+                replay.put_buffer(key, value, device)
             else:
+                current = owner._parameters[attr]
+                assert current is not None
                 _write_param(current, value, replay.names[key])
             del value

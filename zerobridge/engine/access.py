@@ -82,8 +82,9 @@ def read_master(engine: Engine, run: LocalRun) -> torch.Tensor:
 
 
 def write_master(engine: Engine, run: LocalRun, values: torch.Tensor) -> None:
-    """Set the run's master values. Compute copies follow at ``refresh_compute``."""
-    master.write_master(run.group, run.index, values)
+    """Set the run's master values (cast to the master dtype). Compute copies follow
+    at ``refresh_compute``."""
+    master.write_master(run.group, run.index, values.to(run.group.plan.master_dtype))
 
 
 def read_optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, run: LocalRun) -> dict[str, Any]:

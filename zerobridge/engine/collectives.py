@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CollectiveKind", "CommStats", "Pending", "all_gather", "all_reduce", "broadcast", "bus_bytes",
+    "CollectiveKind", "CommStats", "Pending", "all_gather", "all_reduce", "broadcast", "broadcast_module", "bus_bytes",
     "reduce_scatter",
 ]
 
@@ -131,3 +131,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, s
         return
     stats.record("broadcast", tensor.numel() * tensor.element_size(), group_size=size)
     dist.broadcast(tensor, src=src, group=group)
+
+
+def broadcast_module(module: torch.nn.Module, src: int, group: dist.ProcessGroup | None, stats: CommStats) -> None:
+    """Every parameter and buffer of ``module`` takes global rank ``src``'s values; meta
+    tensors (deferred initialization: every rank replays the same values) are left."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if not tensor.is_meta:
+                broadcast(tensor.data, src, group, stats)

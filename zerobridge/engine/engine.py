@@ -87,14 +87,13 @@ class Engine:
     # ------------------------------------------------------------------ initialization
 
     def __init__(self, model: nn.Module, plan: EnginePlan, mesh: Mesh, device: torch.device | None = None) -> None:
-        """``device``: where a meta-device model's groups are allocated (its values
-        are written afterwards, ``engine/materialize.py``)."""
+        """``device``: where a meta-device model's groups go (values: ``engine/materialize.py``)."""
         self.model = model
         self.plan = plan
         self.mesh = mesh
         self.device = device or next(model.parameters()).device
         self.stats = CommStats()
-        self._broadcast_from_rank0()
+        collectives.broadcast_module(model, 0, mesh.control, self.stats)
         if plan.buffer_dtype is not None:
             for module in model.modules():
                 for name, buf in module._buffers.items():
@@ -106,7 +105,7 @@ class Engine:
         self.units = [Unit(i, m) for i, m in enumerate(modules)]
         self.spaces = open_spaces(plan.offload, rank=mesh.rank)
         per_unit, self.replicated = build_groups(refs, owner, len(self.units), plan, mesh, self.stats, self.spaces,
-                                                 device)
+                                                 self.device)
         for unit, groups in zip(self.units, per_unit):
             unit.groups = groups
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
@@ -141,13 +140,6 @@ class Engine:
         self.previous_order: list[Unit] = []
         self.stats.reset()
         install_optimizer_hooks(self.stepping)
-
-    def _broadcast_from_rank0(self) -> None:
-        with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                if tensor.is_meta:  # deferred: every rank replays the same init
-                    continue
-                collectives.broadcast(tensor.data, 0, self.mesh.control, self.stats)
 
     def _install_hooks(self) -> None:
         for unit in self.units:

@@ -91,7 +91,7 @@ class FlatGroup:
     """Parameters of one wrap unit (or of the replicated part of the model)."""
 
     def __init__(self, refs: list[ParamRef], layout: GroupLayout, plan: GroupPlan, mesh: Mesh,
-                 stats: CommStats, spaces: Spaces | None = None, device: torch.device | None = None) -> None:
+                 stats: CommStats, spaces: Spaces | None, device: torch.device) -> None:
         originals = [ref.param for ref in refs]
         assert all(p is not None for p in originals)
         self.refs = [dataclasses.replace(ref, param=None) for ref in refs]
@@ -99,19 +99,14 @@ class FlatGroup:
         self.plan = plan
         self.mesh = mesh
         self.stats = stats
-        # Meta originals (deferred initialization): storage only, zero-filled where
-        # it is kept; the values arrive through master.write_master afterwards.
-        deferred = originals[0].is_meta  # type: ignore[union-attr]
-        device = device or originals[0].device  # type: ignore[union-attr]
         n, sharded = layout.shards, plan.sharding.sharded_at_rest
-        # Initialization: fill full (or shard) and master from the originals.
-        full = self._flatten(originals, plan.compute_dtype, device, deferred=deferred, kept=not sharded or n == 1)
+        # Initialization: fill full (or shard) and master from the originals (meta: zeros, see materialize.py).
+        full = self._flatten(originals, plan.compute_dtype, device)
         self.shard: torch.Tensor | None = None
         self.away: Region | None = None
         if sharded:
-            self.shard = torch.zeros(layout.shard_numel, dtype=plan.compute_dtype, device=device)
-            if not deferred:
-                self._copy_pieces(full, self.shard)
+            self.shard = torch.empty(layout.shard_numel, dtype=plan.compute_dtype, device=device)
+            self._copy_pieces(full, self.shard)
             self.away = place(plan.shard_at, self.shard, spaces.parameters if spaces else None, pin=plan.pin_memory)
         self.full = self.shard if sharded and n == 1 else full
         self.leaves = [self._leaf(bucket) for bucket in layout.buckets]
@@ -119,8 +114,7 @@ class FlatGroup:
         self.master_file: FileRegion | None = None
         if plan.separate_master:
             master = torch.zeros(layout.shard_numel, dtype=plan.master_dtype, device=device)
-            if not deferred:
-                self._copy_pieces(self._flatten(originals, plan.master_dtype, device), master)
+            self._copy_pieces(self._flatten(originals, plan.master_dtype, device), master)
             space = (spaces.optimizer if plan.trainable else spaces.parameters) if spaces else None
             region = place(plan.master_at, master, space, pin=plan.pin_memory)
             if isinstance(region, FileRegion):
@@ -157,14 +151,11 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ layout helpers
 
-    def _flatten(self, originals: list[nn.Parameter | None], dtype: torch.dtype, device: torch.device, *,
-                 deferred: bool = False, kept: bool = True) -> torch.Tensor:
-        """The originals laid out in the full flat layout (padding zero) in ``dtype``.
-        ``deferred`` (meta originals): zeros when the buffer is ``kept``, else
-        untouched storage that is only ever freed."""
-        if deferred:
-            return (torch.zeros if kept else torch.empty)(self.layout.numel, dtype=dtype, device=device)
+    def _flatten(self, originals: list[nn.Parameter | None], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The originals in the full flat layout (padding zero) in ``dtype``; zeros for meta ones."""
         full = torch.zeros(self.layout.numel, dtype=dtype, device=device)
+        if originals[0].is_meta:  # type: ignore[union-attr]
+            return full
         for original, offset in zip(originals, self.layout.offsets):
             flat = original.detach().reshape(-1)  # type: ignore[union-attr]
             full[offset:offset + flat.numel()].copy_(flat)

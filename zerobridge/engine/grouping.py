@@ -60,10 +60,9 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
 
 
 def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: EnginePlan, mesh: Mesh,
-                 stats: CommStats, spaces: Spaces | None = None, device: torch.device | None = None
+                 stats: CommStats, spaces: Spaces | None, device: torch.device
                  ) -> tuple[list[list[FlatGroup]], list[FlatGroup]]:
-    """The groups of each of ``units`` units (by index), and the replicated groups, on
-    ``device`` (default: the parameters')."""
+    """The groups of each of ``units`` units (by index), and the replicated groups, on ``device``."""
     numels = [r.numel for r in refs]
     persistent = (persistent_params(numels, threshold=plan.persistence_threshold,
                                     budget=plan.model_persistence_threshold)

@@ -38,8 +38,8 @@ __all__ = ["agree_generator", "materialize_engine"]
 def agree_generator(device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
     """Start every rank's CPU generator from rank 0's state, so that every rank
     replays the same initial values. Returns whether this rank's state already was
-    rank 0's (then its generator ends as after an eager build; otherwise it is put
-    back to its own state after the replay: see ``materialize_engine``). Collective."""
+    rank 0's (then its generator ends as after an eager build; otherwise the caller
+    puts its own state back after the replay: ``api.replay_on_every_rank``). Collective."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return True
     own = torch.get_rng_state()
@@ -59,15 +59,12 @@ def materialize_engine(engine: Engine, replay: Replay) -> None:
             runs.setdefault(run.group.refs[run.index].source_id, []).append(run)
     buffers = {key for key, (_, _, is_buffer) in replay.first.items() if is_buffer}
     for key, value in replay.by_module(lambda key: key in runs or key in buffers):
-        owner, attr, is_buffer = replay.first[key]
-        if is_buffer:
-            current = owner._buffers[attr]
-            assert current is not None
-            owner._buffers[attr] = value.to(engine.device, current.dtype)
+        if key in buffers:
+            replay.put_buffer(key, value, engine.device)
             continue
         flat = value.reshape(-1)
         for run in runs[key]:
             piece = flat[run.start:run.start + run.numel]
-            write_master(engine, run, piece.to(run.group.plan.master_dtype))
+            write_master(engine, run, piece)
         del value, flat
     refresh_compute(engine)

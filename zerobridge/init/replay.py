@@ -131,7 +131,9 @@ def plan_ops(model: nn.Module, init_fn: Callable[[nn.Module], object] | None = N
             for sub_name, sub in _post_order(module, name):
                 if id(sub) not in done:
                     done.add(id(sub))
-                    ops.append(InitOp(sub, _hf_call(_scope_of(module, sub), sub), False,
+                    # Inner models already initialized their whole subtrees, so ``module``
+                    # is the innermost model of every module left here.
+                    ops.append(InitOp(sub, _hf_call(module, sub), False,
                                       f"{type(module).__name__}._init_weights({sub_name or 'root'})"))
             return
         reset = _reset_method(module)
@@ -146,16 +148,6 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.M
     for name, child in module.named_children():
         yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
     yield prefix, module
-
-
-def _scope_of(outer: nn.Module, module: nn.Module) -> nn.Module:
-    """The innermost Hugging Face model inside ``outer`` that contains ``module``."""
-    scope = outer
-    for child in outer.children():
-        if any(m is module for m in child.modules()):
-            inner = _scope_of(child, module)
-            return inner if _hf_scope(inner) else scope
-    return scope
 
 
 class Replay:
@@ -189,6 +181,10 @@ class Replay:
             for _, _, _, key, owner in slots:
                 if owner:
                     self.touches[key].append(k)
+        self.owned: dict[int, list[int]] = {}
+        """Keys by ``id()`` of their first owner module."""
+        for key, (module, _, _) in self.first.items():
+            self.owned.setdefault(id(module), []).append(key)
         self.states: list[torch.Tensor] = []
         self.end_state: torch.Tensor | None = None
 
@@ -205,7 +201,7 @@ class Replay:
 
     def params_of(self, module: nn.Module) -> list[int]:
         """Keys of the tensors ``module`` itself owns (its first-owner slots)."""
-        return [key for key, (m, _, _) in self.first.items() if m is module]
+        return list(self.owned.get(id(module), ()))
 
     # ------------------------------------------------------------------ running ops
 
@@ -281,6 +277,15 @@ class Replay:
             torch.set_rng_state(self.end_state)
         for key in wanted:
             yield key, real[key]
+
+    def put_buffer(self, key: int, value: torch.Tensor, device: torch.device) -> None:
+        """Make ``value`` the buffer ``key`` on its owner, on ``device`` in the dtype the
+        slot holds now (a backend may have cast the meta buffer)."""
+        owner, attr, is_buffer = self.first[key]
+        assert is_buffer
+        current = owner._buffers[attr]
+        assert current is not None
+        owner._buffers[attr] = value.to(device, current.dtype)
 
     def by_module(self, keep: Callable[[int], bool] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """``materialize`` one module at a time, in registration order: the eager values

@@ -95,8 +95,8 @@ def load_pretrained(model: nn.Module, source: str | Path, *, strict: bool = True
         return LoadReport(source=str(path), loaded=len(model.state_dict()))
     weights = open_weights(path)
     targets = backend.pretrained_targets()
-    report = _check(model, weights, targets, strict=strict)
-    chosen, _ = match_names([t.names for t in targets], weights.entries, _prefixes(model))
+    chosen, unexpected = match_names([t.names for t in targets], weights.entries, _prefixes(model))
+    report = _check(model, weights, targets, chosen, unexpected, strict=strict)
     with torch.no_grad():
         for target, name in zip(targets, chosen):
             if name is None or target.numel == 0:
@@ -108,8 +108,10 @@ def load_pretrained(model: nn.Module, source: str | Path, *, strict: bool = True
     return report
 
 
-def _check(model: nn.Module, weights: Weights, targets: list[Target], *, strict: bool) -> LoadReport:
-    chosen, unexpected = match_names([t.names for t in targets], weights.entries, _prefixes(model))
+def _check(model: nn.Module, weights: Weights, targets: list[Target], chosen: list[str | None],
+           unexpected: list[str], *, strict: bool) -> LoadReport:
+    """The report of loading ``chosen`` names into ``targets``; one error listing every
+    mismatch (and, under ``strict``, every missing and unexpected tensor)."""
     report = LoadReport(source=str(weights.source))
     missing, shapes = [], []
     seen: set[tuple[str, ...]] = set()

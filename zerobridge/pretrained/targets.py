@@ -14,6 +14,7 @@ in the state dict: whole, on every rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,12 +55,8 @@ def engine_targets(engine: Engine) -> list[Target]:
     """Every parameter run of the native engine on this rank, then the buffers."""
     from zerobridge.engine.access import local_runs, write_master
 
-    def writer(run: object) -> Callable[[torch.Tensor], None]:
-        def write(values: torch.Tensor) -> None:
-            write_master(engine, run, values.to(run.group.plan.master_dtype))  # type: ignore[arg-type, attr-defined]
-        return write
-
-    runs = [Target(run.names, tuple(run.shape), run.start, run.numel, writer(run)) for run in local_runs(engine)]
+    runs = [Target(run.names, tuple(run.shape), run.start, run.numel, functools.partial(write_master, engine, run))
+            for run in local_runs(engine)]
     return runs + buffer_targets(engine.model)
 
 
