@@ -143,8 +143,8 @@ class Engine:
 
     def _install_hooks(self) -> None:
         for unit in self.units:
-            unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True, prepend=True)
-            unit.module.register_forward_hook(self._post_forward_hook(unit), with_kwargs=True)
+            unit.module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward_hook(unit)), with_kwargs=True, prepend=True)
+            unit.module.register_forward_hook(torch.compiler.disable(self._post_forward_hook(unit)), with_kwargs=True)
         if self.plan.activation_checkpointing:
             targets = [u.module for u in self.units[1:]] or [self.model]
             for module in targets:

@@ -9,6 +9,7 @@ from zerobridge.spec.base import AUTO, Auto, DType, SpecModel, is_auto
 from zerobridge.spec.batch import BatchSpec, GradSync
 from zerobridge.spec.checkpoint import CheckpointFormat, CheckpointSpec
 from zerobridge.spec.communication import BackwardPrefetch, Bucket, CommunicationSpec
+from zerobridge.spec.compilation import CompileMode, CompileScope, CompileSpec
 from zerobridge.spec.offload import OffloadDevice, OffloadSpec, OffloadTier, OptimizerOffload, ParamOffload
 from zerobridge.spec.precision import DynamicLossScale, LossScaling, NoLossScale, PrecisionSpec, StaticLossScale
 from zerobridge.spec.sharding import GroupSize, ShardingSpec
@@ -18,7 +19,7 @@ from zerobridge.spec.wrapping import EveryModuleWrap, RootWrap, SizeWrap, Transf
 
 __all__ = [
     "AUTO", "Auto", "BackwardPrefetch", "BatchSpec", "Bucket", "CheckpointFormat", "CheckpointSpec",
-    "CommunicationSpec", "DType", "DynamicLossScale", "EveryModuleWrap", "GradSync", "GroupSize",
+    "CommunicationSpec", "CompileMode", "CompileScope", "CompileSpec", "DType", "DynamicLossScale", "EveryModuleWrap", "GradSync", "GroupSize",
     "LossScaling", "NoLossScale", "OffloadDevice", "OffloadSpec", "OffloadTier", "OptimizerOffload",
     "ParamOffload", "ParamSharding", "PrecisionSpec", "RootWrap", "STAGE_SHARDS", "ShardingSpec",
     "SizeWrap", "SpecModel", "Stage", "StageShards", "StaticLossScale", "StrategySpec",

@@ -18,6 +18,7 @@ from zerobridge.spec.base import SpecModel
 from zerobridge.spec.batch import BatchSpec
 from zerobridge.spec.checkpoint import CheckpointSpec
 from zerobridge.spec.communication import CommunicationSpec
+from zerobridge.spec.compilation import CompileSpec
 from zerobridge.spec.offload import OffloadDevice, OffloadSpec
 from zerobridge.spec.precision import PrecisionSpec
 from zerobridge.spec.sharding import ShardingSpec
@@ -45,6 +46,8 @@ class StrategySpec(SpecModel):
     """Micro batch, accumulation, global batch, clipping."""
     checkpoint: CheckpointSpec = CheckpointSpec()
     """Checkpoint layout and activation checkpointing."""
+    compile: CompileSpec = CompileSpec()
+    """Whether and how ``torch.compile`` runs the model's units."""
     passthrough: dict[str, dict[str, JsonValue]] = Field(default_factory=dict)
     """Settings of a source format that are not about sharding (optimizer,
     scheduler, logging, ...), kept verbatim per format so that converting back
@@ -85,6 +88,8 @@ class StrategySpec(SpecModel):
         if o.optimizer.enabled or o.parameters.enabled:
             parts.append(f"offload optimizer={o.optimizer.device.value} params={o.parameters.device.value}")
         parts.append(f"compute {self.precision.param_dtype}")
+        if self.compile.enabled:
+            parts.append(f"compiled ({self.compile.scope.value}, {self.compile.backend})")
         return ", ".join(parts)
 
     def dump(self) -> dict[str, Any]:
