@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobridge.engine import Engine, plan_engine
+from zerobridge.engine.compiling import apply_compile, check_compile, is_compiled_wrapper, unwrap_compiled
 from zerobridge.engine.materialize import agree_generator, materialize_engine
 from zerobridge.engine.mesh import build_mesh, group_timeout
 from zerobridge.errors import ConfigError
@@ -141,18 +142,20 @@ def _check_model(model: nn.Module) -> None:
 def prepare(model: nn.Module, optimizer: None = None, *, stage: int | None = None, strategy: str | None = None,
             config: str | Path | dict[str, Any] | StrategySpec | None = None, backend: str | None = None,
             allow_approximate: bool | None = None, init_fn: InitFn | None = None,
-            device: torch.device | str | None = None) -> nn.Module: ...
+            device: torch.device | str | None = None, compile: bool | None = None) -> nn.Module: ...
 @overload
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
             strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
             backend: str | None = None, allow_approximate: bool | None = None, init_fn: InitFn | None = None,
-            device: torch.device | str | None = None) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+            device: torch.device | str | None = None, compile: bool | None = None
+            ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | None = None,
             strategy: str | None = None, config: str | Path | dict[str, Any] | StrategySpec | None = None,
             backend: str | None = None, allow_approximate: bool | None = None, init_fn: InitFn | None = None,
-            device: torch.device | str | None = None) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+            device: torch.device | str | None = None, compile: bool | None = None
+            ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` (in place) as the strategy says; return it, or ``(model, optimizer)``.
 
     ``optimizer``: one built before on the original parameters; its param
@@ -171,11 +174,19 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     children first, instead of its own ``reset_parameters()`` /
     ``_init_weights``. ``device``: where a meta model materializes (default:
     ``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU).
+
+    ``compile``: run the model's units under ``torch.compile`` as the spec's
+    ``compile`` section says (``True``/``False`` override its ``enabled``;
+    ``None``: ``$ZEROBRIDGE_COMPILE``, set by ``zerobridge run --compile``,
+    else the spec). A model ``torch.compile`` returned may be passed too: the
+    module inside is sharded and the compiled wrapper returned (docs/compile.md).
     """
-    from zerobridge.backends import resolve_allow_approximate, resolve_backend
+    from zerobridge.backends import resolve_allow_approximate, resolve_backend, resolve_compile
 
     chosen = resolve_backend(backend)
     approximate = resolve_allow_approximate(allow_approximate)
+    compiling = resolve_compile(compile)
+    wrapper, model = model, unwrap_compiled(model)
     meta = is_meta_model(model)  # first: a partly-meta model is named as such
     _check_model(model)
     replay = Replay(model, init_fn) if meta else None
@@ -183,10 +194,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         raise ConfigError("init_fn is given but the model is not on the meta device", key="init_fn",
                           fix="build the model under `with torch.device('meta'):`, or initialize it yourself")
     target = materialize_device(device) if replay is not None else None
-    spec = resolve_spec(model, stage=stage, strategy=strategy, config=config)
+    spec = _with_compile(resolve_spec(model, stage=stage, strategy=strategy, config=config), compiling,
+                         wrapped=wrapper is not model)
     if chosen != "native":
-        return _prepare_other(chosen, model, optimizer, spec, allow_approximate=approximate, replay=replay,
-                              device=target)
+        prepared = _prepare_other(chosen, model, optimizer, spec, allow_approximate=approximate, replay=replay,
+                                  device=target)
+        return _rewrap(prepared, wrapper)
     if optimizer is not None and any(optimizer.state.values()):
         raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
                           fix="call zerobridge.prepare before the first optimizer.step()")
@@ -211,13 +224,36 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     from zerobridge.backends.native import NativeBackend
 
     attach(model, NativeBackend(model, engine))
+    apply_compile([u.module for u in engine.units], spec.compile)
     if optimizer is None:
-        return model
+        return wrapper
     replacement = {ref.source_id: new for g in engine.groups for ref, new in zip(g.refs, g.params)}
     for group in optimizer.param_groups:
         group["params"] = [replacement.get(id(p), p) for p in group["params"]]
     engine.stepping.optimizers.add(optimizer)
-    return model, optimizer
+    return wrapper, optimizer
+
+
+def _with_compile(spec: StrategySpec, compiling: bool | None, *, wrapped: bool) -> StrategySpec:
+    """The spec with ``compile.enabled`` as the caller decided; a model compiled before
+    ``prepare`` is not compiled again."""
+    if compiling is not None and compiling != spec.compile.enabled:
+        spec = spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": compiling})})
+    if wrapped and spec.compile.enabled:
+        raise ConfigError("the model was compiled before prepare (torch.compile returned it) and the spec "
+                          "compiles it again", key="compile.enabled",
+                          fix="compile once: pass the uncompiled model, or prepare(..., compile=False)")
+    check_compile(spec.compile)
+    return spec
+
+
+def _rewrap(prepared: nn.Module | tuple[nn.Module, torch.optim.Optimizer], wrapper: nn.Module
+            ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+    """What another backend prepared (in place), returned through the user's compiled wrapper
+    if there was one."""
+    if not is_compiled_wrapper(wrapper):
+        return prepared
+    return (wrapper, prepared[1]) if isinstance(prepared, tuple) else wrapper
 
 
 def _prepare_other(name: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: StrategySpec, *,

@@ -5,9 +5,9 @@ own module, imported only when chosen.
 """
 
 from zerobridge.backends.base import (
-    APPROXIMATE_ENV, BACKEND_ENV, BACKENDS, Backend, attach, backend_of, is_prepared, resolve_allow_approximate,
-    resolve_backend,
+    APPROXIMATE_ENV, BACKEND_ENV, BACKENDS, COMPILE_ENV, Backend, attach, backend_of, is_prepared,
+    resolve_allow_approximate, resolve_backend, resolve_compile,
 )
 
-__all__ = ["APPROXIMATE_ENV", "BACKENDS", "BACKEND_ENV", "Backend", "attach", "backend_of", "is_prepared",
-           "resolve_allow_approximate", "resolve_backend"]
+__all__ = ["APPROXIMATE_ENV", "BACKENDS", "BACKEND_ENV", "COMPILE_ENV", "Backend", "attach", "backend_of", "is_prepared",
+           "resolve_allow_approximate", "resolve_backend", "resolve_compile"]

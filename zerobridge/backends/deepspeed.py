@@ -196,6 +196,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
             materialize_deepspeed(model, replay, device, dtype=compute_dtype(plan.config) if stage3 else None,
                                   partitioner=Partitioner(plan.config) if stage3 else None)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.config)
+        if spec.compile.enabled:  # DeepSpeed's own path: the module compiled in place (compile_entries)
+            engine.compile(backend=spec.compile.backend, compile_kwargs={
+                "mode": spec.compile.mode.value, "dynamic": spec.compile.dynamic, "fullgraph": False})
         backend = DeepSpeedBackend(model, engine, optimizer, plan, comm, groups)
         backend.access.restore_initial(originals)
         if replay is not None and bf16:

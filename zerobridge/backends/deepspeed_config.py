@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import DType, StrategySpec, is_auto
+from zerobridge.spec import CompileScope, DType, StrategySpec, is_auto
 from zerobridge.translate.deepspeed_emit import write_deepspeed
-from zerobridge.translate.report import Entry, Report
+from zerobridge.translate.report import Entry, Report, Status
 
 __all__ = ["SCHEDULING", "DeepSpeedPlan", "build_config", "launch_problems", "refusal"]
 
@@ -148,7 +148,9 @@ def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool
     translation = write_deepspeed(spec)
     config: dict[str, Any] = translation.value
     # sharding.world_size: checked above (DeepSpeed takes the world from the launcher, which matches).
-    approximations = [e for e in translation.report.approximations if e.key != "sharding.world_size"]
+    # compile: the JSON cannot say it; the backend calls engine.compile itself (``compile_entries``).
+    approximations = [e for e in translation.report.approximations
+                      if e.key != "sharding.world_size" and not _is_compile(e.key)] + compile_entries(spec)
     blocking = [e for e in approximations if e.key not in SCHEDULING]
     if blocking and not allow_approximate:
         raise refusal(blocking)
@@ -160,6 +162,25 @@ def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool
     clip = config["gradient_clipping"]
     return DeepSpeedPlan(config=config, report=translation.report, accumulation_steps=steps,
                          clip=float(clip) if clip else None, approximations=approximations)
+
+
+def _is_compile(key: str) -> bool:
+    return key == "compile" or key.startswith("compile.")
+
+
+def compile_entries(spec: StrategySpec) -> list[Entry]:
+    """How DeepSpeed's own compile path (``engine.compile``: the whole module, its engine hooks
+    inside the compiled call) differs from the spec's."""
+    entries = []
+    if spec.compile.enabled and spec.compile.fullgraph:
+        entries.append(Entry("compile.fullgraph", Status.APPROXIMATED,
+                             "DeepSpeed's forward hooks (timers, ZeRO-3 gathers) run inside the compiled call "
+                             "and break its graph: compiled with fullgraph=False"))
+    if spec.compile.enabled and spec.compile.scope is CompileScope.UNITS and spec.sharding.parameters.sharded_at_rest:
+        entries.append(Entry("compile.scope", Status.APPROXIMATED,
+                             "DeepSpeed compiles the whole module (engine.compile), not unit by unit; at stage 3 "
+                             "its graphs end at the gather hooks DeepSpeed puts on every submodule"))
+    return entries
 
 
 def launch_problems(spec: StrategySpec, *, world_size: int | None) -> tuple[ConfigError | None, list[Entry]]:

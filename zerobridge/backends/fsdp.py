@@ -46,6 +46,7 @@ from zerobridge.backends.fsdp_materialize import materialize_fsdp
 from zerobridge.backends.fsdp_plan import Assessment, assess, neutral, refuse
 from zerobridge.backends.fsdp_step import FsdpStepping, local
 from zerobridge.engine.collectives import CommStats
+from zerobridge.engine.compiling import apply_compile
 from zerobridge.engine.plan import EnginePlan, plan_engine
 from zerobridge.engine.step import install_optimizer_hooks
 from zerobridge.errors import ConfigError
@@ -224,6 +225,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     if replay is not None:
         assert device is not None
         materialize_fsdp(model, replay, device, offloaded=assessment.form["offload_policy"] is not None)
+    apply_compile([model, *cut.sharded], spec.compile)
     stepping = FsdpStepping(model, plan, shard_group(mesh))
     install_optimizer_hooks(stepping)
     cls = type(model)

@@ -113,6 +113,10 @@ class RunResult:
     """Loss on a held-out batch under ``torch.no_grad()`` after training."""
     names: list[str] = field(default_factory=list)
     """``named_parameters()`` and ``state_dict()`` keys of the prepared model."""
+    graphs: list[int] = field(default_factory=list)
+    """Compiled runs: graphs dynamo has made so far, after each training step."""
+    graph_breaks: int = 0
+    """Compiled runs: graph breaks dynamo met in training."""
 
 
 def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: int = 8, accumulation: int = 1,
@@ -149,7 +153,7 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
                global_batch: int = 8, accumulation: int = 1, accumulation_mode: str = "spec",
                clip: float | None = 1.0, seed: int = 0, prepare_optimizer: bool = False,
                on_step: Callable[[int], None] | None = None, collect_state: bool = True,  # on_step(steps): done
-               from_env: bool = False, meta: bool = False) -> RunResult:
+               from_env: bool = False, meta: bool = False, compile: str | None = None) -> RunResult:
     """On every rank: the same training under ZeRO ``stage`` or ``spec``.
 
     ``accumulation_mode``: ``spec`` (the spec's accumulation steps; backward on
@@ -157,6 +161,9 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     the last micro-batch under ``model.no_sync()``, as with FSDP) or ``plain``
     (divided loss, every backward reduces, torch's accumulate-until-zero_grad).
     ``meta``: build the model on the meta device and let ``prepare`` materialize it.
+    ``compile``: ``"spec"`` (``prepare(..., compile=True)``, the spec's compile
+    settings), ``"before"`` or ``"after"`` (``torch.compile(model)`` before or after
+    ``prepare``); dynamo's graph and graph-break counts are recorded per step.
     """
     import zerobridge
     from zerobridge.api import spec_for_stage
@@ -174,12 +181,23 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         spec = spec_for_stage(stage if stage is not None else 0, model)
     if accumulation_mode == "spec" and spec is not None:
         spec = spec.model_copy(update={"batch": spec.batch.model_copy(update={"accumulation_steps": accumulation})})
+    if compile is not None:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+    if compile == "before":
+        model = torch.compile(model)  # type: ignore[assignment]
+    options: dict[str, Any] = {"config": spec, "device": device if meta else None,  # config None: ZEROBRIDGE_CONFIG
+                               "compile": True if compile == "spec" else None}
     if prepare_optimizer:
         opt = make_optimizer(list(model.named_parameters()), optimizer)
-        model, opt = zerobridge.prepare(model, opt, config=spec, device=device if meta else None)
+        model, opt = zerobridge.prepare(model, opt, **options)
     else:
-        model = zerobridge.prepare(model, config=spec, device=device if meta else None)  # None: ZEROBRIDGE_CONFIG
+        model = zerobridge.prepare(model, **options)
         opt = make_optimizer(list(model.named_parameters()), optimizer)
+    if compile == "after":
+        model = torch.compile(model)  # type: ignore[assignment]
     result = RunResult(summary=model.zerobridge_engine.plan.spec.summary(),  # type: ignore[union-attr]
                        names=[n for n, _ in model.named_parameters(remove_duplicate=False)] + list(model.state_dict()))
     per_rank = global_batch // accumulation // world
@@ -205,6 +223,9 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         dist.all_reduce(total)
         result.losses.append(total.item() / world)
         result.grad_norms.append(norm.item())
+        if compile is not None:
+            result.graphs.append(counters["stats"]["unique_graphs"])
+            result.graph_breaks = sum(counters["graph_break"].values())
     if on_step is not None:
         on_step(steps)  # the end of training
     with torch.no_grad():
