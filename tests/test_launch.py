@@ -15,7 +15,7 @@ import zerobridge.launch as launch_module
 from zerobridge.cli import _parser, main
 from zerobridge.errors import ConfigError
 from zerobridge.launch import (
-    ENV_BACKEND, ENV_CONFIG, choice_from_env, decode_choice, encode_choice, launch_env, torchrun_command,
+    ENV_BACKEND, ENV_COMPILE, ENV_CONFIG, choice_from_env, decode_choice, encode_choice, launch_env, torchrun_command,
 )
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -153,6 +153,20 @@ def test_environment_carries_choice_and_backend(tmp_path: Path, monkeypatch: pyt
     inherited = {ENV_CONFIG: "stage:1"}
     assert launch_env(parse("t.py"), base=inherited) == inherited
     assert launch_env(parse("--stage", "3", "t.py"), base=inherited)[ENV_CONFIG] == "stage:3"
+
+
+def test_compile_flag_travels_to_the_workers() -> None:
+    assert launch_env(parse("--compile", "t.py"), base={})[ENV_COMPILE] == "1"
+    assert ENV_COMPILE not in launch_env(parse("t.py"), base={})
+    assert parse("t.py", "--compile").script_args == ["--compile"], "after the script it is the script's"
+
+
+def test_compile_on_deepspeed_stage3_is_checked_before_launch(script: Path, capsys: pytest.CaptureFixture[str],
+                                                             no_launch: list[list[str]]) -> None:
+    argv = ["run", "--nproc", "2", "--strategy", "zero3", "--backend", "deepspeed", "--compile", str(script)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "compile.scope" in err and "--allow-approximate" in err and not no_launch
 
 
 @pytest.mark.parametrize("argv", [("--stage", "2", "--strategy", "zero3", "t.py"),

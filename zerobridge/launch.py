@@ -26,8 +26,8 @@ environment variable, ``ZEROBRIDGE_CONFIG``, whose grammar this module owns:
 A bare value is read as a config when it names an existing file, as a stage
 when it is an integer 0..3, and as a strategy name otherwise. The backend
 choice travels in ``ZEROBRIDGE_BACKEND``, ``--allow-approximate`` in
-``ZEROBRIDGE_ALLOW_APPROXIMATE=1``. Both are checked before anything
-is started: a config that does not load is a ``ConfigError`` (exit 2).
+``ZEROBRIDGE_ALLOW_APPROXIMATE=1``, ``--compile`` in ``ZEROBRIDGE_COMPILE=1``.
+The strategy and backend are checked before anything is started: a config that does not load is a ``ConfigError`` (exit 2).
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from types import FrameType
 from typing import Any, Literal
 
 from zerobridge.backends.base import APPROXIMATE_ENV as ENV_APPROXIMATE
+from zerobridge.backends.base import COMPILE_ENV as ENV_COMPILE
 from zerobridge.backends.base import BACKEND_ENV as ENV_BACKEND
 from zerobridge.backends.base import BACKENDS
 from zerobridge.errors import ConfigError
 
-__all__ = ["BACKENDS", "ENV_APPROXIMATE", "ENV_BACKEND", "ENV_CONFIG", "STAGES", "ChoiceKind", "add_run_arguments",
+__all__ = ["BACKENDS", "ENV_APPROXIMATE", "ENV_BACKEND", "ENV_COMPILE", "ENV_CONFIG", "STAGES", "ChoiceKind", "add_run_arguments",
            "choice_from_env", "decode_choice", "encode_choice", "launch", "launch_env", "torchrun_command",
            "validate"]
 
@@ -175,7 +176,7 @@ class _ScriptAction(argparse.Action):
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zerobridge run`` options, positionals last so script flags stay the script's."""
     parser.usage = ("%(prog)s [launcher options] [--config FILE | --stage {0,1,2,3} | --strategy NAME]\n"
-                    "       [--backend {native,fsdp,deepspeed}] [--allow-approximate] [-m] script [args ...]")
+                    "       [--backend {native,fsdp,deepspeed}] [--allow-approximate] [--compile] [-m] script [args ...]")
     g = parser.add_argument_group("processes (passed to torchrun when given)")
     g.add_argument("--nproc", type=_nproc, metavar="N", help="workers per node (torchrun --nproc-per-node)")
     g.add_argument("--nnodes", type=_nnodes, metavar="N", help="nodes, or MIN:MAX for elastic jobs")
@@ -196,6 +197,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--allow-approximate", action="store_true",
                    help="let the backend run its closest form of what it cannot express (warned, recorded); "
                         "exported as $ZEROBRIDGE_ALLOW_APPROXIMATE=1")
+    s.add_argument("--compile", action="store_true",
+                   help="run the model's units under torch.compile (the spec's compile section gives backend, "
+                        "mode and scope); exported as $ZEROBRIDGE_COMPILE=1")
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("script", nargs=argparse.REMAINDER, action=_ScriptAction, metavar="script [args ...]",
                         help="training script (or module with -m), then its arguments, passed untouched")
@@ -217,6 +221,8 @@ def validate(args: argparse.Namespace) -> None:
         from zerobridge.loading import load
 
         spec = load(args.strategy).value
+    if spec is not None and getattr(args, "compile", False):
+        spec = spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": True})})
     if spec is not None and args.backend in (None, "native"):
         from zerobridge.engine.plan import check_runnable
 
@@ -290,6 +296,8 @@ def launch_env(args: argparse.Namespace, base: Mapping[str, str] | None = None) 
         env[ENV_BACKEND] = args.backend
     if getattr(args, "allow_approximate", False):
         env[ENV_APPROXIMATE] = "1"
+    if getattr(args, "compile", False):
+        env[ENV_COMPILE] = "1"
     return env
 
 

@@ -79,10 +79,10 @@ class Plan:
 def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
          backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
          global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
-         norm_tolerance: float = 1e-4, seed: int = 0, exact_only: bool = False) -> Plan:
+         norm_tolerance: float = 1e-4, seed: int = 0, exact_only: bool = False, compile: bool = False) -> Plan:
     """Check the inputs, build the workload once (in this process) and plan the runs. What a
     backend can only approximate runs in its closest form (``Planned.approximations``)
-    unless ``exact_only``, which skips it."""
+    unless ``exact_only``, which skips it. ``compile``: every run under ``torch.compile``."""
     chosen_stages = list(STAGES if stages is None and not configs else stages or [])
     _check(chosen_stages, list(backends), nproc, steps, tolerance, norm_tolerance)
     work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
@@ -92,12 +92,12 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
     params = sum(p.numel() for p in work.model.parameters() if p.requires_grad)
     kind = _optimizer_kind(work.optimizer(work.model))
     runs, skipped = plan_runs(stages=chosen_stages, configs=configs, backends=backends, world_size=nproc,
-                              allow_approximate=not exact_only)
+                              allow_approximate=not exact_only, compile=compile)
     if not runs:
         raise ConfigError("nothing to compare: every combination was skipped", key="--backends",
                           fix="; ".join(f"{s.backend}/{s.label}: {s.reason}" for s in skipped) or None)
     comparison = Comparison(runs=[], skipped=skipped, tolerance=tolerance, norm_tolerance=norm_tolerance,
-                            model=model, params=params, world_size=nproc, steps=steps)
+                            model=model, params=params, world_size=nproc, steps=steps, compiled=compile)
     return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, exact_only)
 
 
@@ -118,7 +118,7 @@ def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path
             backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
             global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
             norm_tolerance: float = 1e-4, clip: float | None = 1.0, seed: int = 0, exact_only: bool = False,
-            timeout_s: float = 900.0,
+            compile: bool = False, timeout_s: float = 900.0,
             progress: Callable[[int, int, RunOutcome], None] | None = None) -> Comparison:
     """Train ``model`` for ``steps`` steps on every stage (default 0-3 when no ``configs``) and
     config, on every backend, each in a fresh group of ``nproc`` processes; compare the runs.
@@ -127,7 +127,7 @@ def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path
     """
     planned = plan(stages=stages, configs=configs, backends=backends, nproc=nproc, steps=steps, model=model,
                    global_batch=global_batch, seq_len=seq_len, tolerance=tolerance,
-                   norm_tolerance=norm_tolerance, seed=seed, exact_only=exact_only)
+                   norm_tolerance=norm_tolerance, seed=seed, exact_only=exact_only, compile=compile)
     return run_plan(planned, clip=clip, timeout_s=timeout_s, progress=progress)
 
 

@@ -81,6 +81,8 @@ class Comparison:
     params: int
     world_size: int
     steps: int
+    compiled: bool = False
+    """Every run was under ``torch.compile`` (``--compile``)."""
 
     @property
     def reference(self) -> RunOutcome | None:
@@ -176,7 +178,7 @@ class Comparison:
             "max_grad_norm_deviation": _finite(self.max_deviation("grad_norm")),
             "tolerance": self.tolerance, "norm_tolerance": self.norm_tolerance, "reference": ref.planned.name if ref else None,
             "model": self.model, "params": self.params, "world_size": self.world_size, "steps": self.steps,
-            "runs": [self.run_json(r) for r in self.runs],
+            "compiled": self.compiled, "runs": [self.run_json(r) for r in self.runs],
             "approximated": [r.planned.name for r in self.runs if r.planned.approximations],
             "skipped": [{"backend": s.backend, "stage": s.stage, "label": s.label, "reason": s.reason}
                         for s in self.skipped],
@@ -243,7 +245,8 @@ class Comparison:
 
     def render(self) -> str:
         """The terminal report: runs, skipped pairs, per-step agreement, verdict."""
-        out = [f"{self.model}: {self.params:,} parameters, world {self.world_size}, {self.steps} steps", "",
+        out = [f"{self.model}: {self.params:,} parameters, world {self.world_size}, {self.steps} steps"
+               + (", compiled" if self.compiled else ""), "",
                _table(self._HEAD, self._rows()), *self.approximated()]
         out += [f"skipped {s.backend}/{s.label}: {s.reason}" for s in self.skipped]
         if len(self.runs) > 1 and self.reference is not None:
@@ -257,6 +260,7 @@ class Comparison:
         mark = "✅" if self.ok else "❌"
         out = [f"## zerobridge compare {mark}", "",
                f"`{self.model}`, {self.params:,} parameters, world size {self.world_size}, {self.steps} steps, "
+               + ("compiled, " if self.compiled else "") +
                f"relative tolerance {self.tolerance:g} on losses and {self.norm_tolerance:g} on grad norms (against `{self.reference.planned.name if self.reference else '-'}`)",
                "", _markdown_table(self._HEAD, self._rows()), ""]
         if self.approximated():

@@ -112,31 +112,36 @@ def after_warmup(per_step: Sequence[_T]) -> Sequence[_T]:
     return per_step[1:] if len(per_step) >= 3 else per_step
 
 
-def _labelled(stages: Sequence[int], configs: Sequence[str | Path]) -> list[tuple[str, StrategySpec, bool]]:
+def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: bool = False
+              ) -> list[tuple[str, StrategySpec, bool]]:
     from zerobridge.api import spec_for_stage
     from zerobridge.loading import load
 
-    specs = [(f"stage{s}", spec_for_stage(s), True) for s in stages]
+    def compiled(spec: StrategySpec) -> StrategySpec:
+        return spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": True})}) \
+            if compile else spec
+
+    specs = [(f"stage{s}", compiled(spec_for_stage(s)), True) for s in stages]
     seen = {label for label, _, _ in specs}
     for config in configs:
         label = Path(config).stem if Path(config).suffix else str(config)
         while label in seen:
             label += "'"
         seen.add(label)
-        specs.append((label, load(config).value, False))
+        specs.append((label, compiled(load(config).value), False))
     return specs
 
 
 def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends: Sequence[str], world_size: int,
-              allow_approximate: bool = False) -> tuple[list[Planned], list[Skipped]]:
+              allow_approximate: bool = False, compile: bool = False) -> tuple[list[Planned], list[Skipped]]:
     """Every stage and config on every backend, grouped by spec in the order given; what a
     backend cannot express at ``world_size`` is skipped with the reason. A config that does
-    not load raises ``ConfigError``."""
+    not load raises ``ConfigError``. ``compile``: every spec with ``compile.enabled``."""
     from zerobridge.backends.preflight import formula_stage, preflight
 
     runs: list[Planned] = []
     skipped: list[Skipped] = []
-    for label, spec, by_stage in _labelled(stages, configs):
+    for label, spec, by_stage in _labelled(stages, configs, compile):
         stage = spec.sharding.stage.value
         for backend in backends:
             try:
@@ -187,6 +192,13 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def _choice(run: Planned) -> dict[str, Any]:
+    """What the ranks pass to ``prepare`` besides the backend."""
+    if not run.by_stage:
+        return {"config": run.spec}
+    return {"stage": run.stage, "compile": True} if run.spec.compile.enabled else {"stage": run.stage}
+
+
 def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, seq_len: int | None,
             world_size: int, steps: int, seed: int = 0, clip: float | None = 1.0,
             allow_approximate: bool = False, timeout_s: float = 900.0,
@@ -205,7 +217,7 @@ def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, se
         start = time.perf_counter()
         log = logs / run.name.replace("/", "-")
         kwargs: dict[str, Any] = dict(log=str(log), model=model, global_batch=global_batch, seq_len=seq_len,
-                                      choice={"stage": run.stage} if run.by_stage else {"config": run.spec},
+                                      choice=_choice(run),
                                       backend=run.backend, steps=steps, seed=seed, clip=clip,
                                       allow_approximate=allow_approximate)
         try:
