@@ -21,6 +21,7 @@ from typing import Any
 from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, StrategySpec, is_auto
 from zerobridge.translate.accelerate import D, F, FORMAT, read_accelerate
+from zerobridge.translate.compilation import write_dynamo
 from zerobridge.translate.keys import join_notes, spec_diff
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
@@ -167,6 +168,9 @@ def _base(spec: StrategySpec, report: Report) -> tuple[dict[str, Any], dict[str,
             report.add("precision.master_dtype", Status.APPROXIMATED, "Accelerate keeps fp32 master weights under "
                        f"mixed precision; pure {p.param_dtype} training is mixed_precision: no with the model loaded "
                        f"in {p.param_dtype}", target="mixed_precision")
+    dynamo = write_dynamo(spec, report)
+    if dynamo is not None:
+        out["dynamo_config"] = dynamo
     if spec.sharding.world_size:
         out["num_processes"] = spec.sharding.world_size
     elif "num_processes" not in out:
