@@ -108,7 +108,7 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
         if _SECTIONS.get(kind) != section:
             for path in [p for p in keys.values if p.startswith(section + ".")]:
                 keys.note(path, Status.IGNORED, f"distributed_type is {kind}: Accelerate does not read {section}")
-    compiled = read_dynamo(keys)
+    compiled = read_dynamo(keys, deepspeed=kind == "DEEPSPEED")
     if compiled is not None:
         spec = update_spec(spec, {"compile": compiled}, source=located.source)
     keys.note_rest()

@@ -5,7 +5,7 @@
     >>> from zerobridge.translate.compilation import write_dynamo
     >>> from zerobridge.translate.report import Report
     >>> spec = StrategySpec(compile=CompileSpec(enabled=True, scope="model", dynamic=False))
-    >>> write_dynamo(spec, Report(source="spec", target="accelerate-fsdp"))["dynamo_backend"]
+    >>> write_dynamo(spec, Report(source="spec", target="accelerate-fsdp"), deepspeed=False)["dynamo_backend"]
     'INDUCTOR'
 
 Forms: Accelerate's ``dynamo_config`` (read and written), torchtitan's
@@ -32,6 +32,9 @@ _DYNAMO = "dynamo_config."
 _BACKEND = _DYNAMO + "dynamo_backend"
 _DYNAMO_FIELDS = {"dynamo_mode": "mode", "dynamo_use_fullgraph": "fullgraph", "dynamo_use_dynamic": "dynamic"}
 _REGIONAL = _DYNAMO + "dynamo_use_regional_compilation"
+_DEEPSPEED_RUNS = ("accelerate launch passes no dynamo setting to a DeepSpeed run (its DeepSpeed environment has no "
+                   "ACCELERATE_DYNAMO_* variables), so Accelerator compiles nothing; pass "
+                   "Accelerator(dynamo_plugin=TorchDynamoPlugin(...)) in code or export ACCELERATE_DYNAMO_BACKEND")
 _REGIONAL_NOTE = ("regional compilation compiles each of the model's repeated blocks on its own and the other leaf "
                   "modules separately; the spec's units scope compiles each innermost wrap unit and runs the rest "
                   "eagerly")
@@ -103,9 +106,10 @@ def write_deepspeed_compile(spec: StrategySpec, report: Report) -> None:
 
 # ---------------------------------------------------------------------------------------------- Accelerate
 
-def read_dynamo(keys: SourceKeys) -> dict[str, Any] | None:
+def read_dynamo(keys: SourceKeys, *, deepspeed: bool) -> dict[str, Any] | None:
     """The spec's ``compile`` from ``dynamo_config`` or the older top-level ``dynamo_backend``,
-    as ``accelerate launch`` passes them to ``TorchDynamoPlugin``; None when neither is given."""
+    as ``accelerate launch`` passes them to ``TorchDynamoPlugin``; None when neither is given
+    or the launcher drops them (``deepspeed``: a DeepSpeed run)."""
     paths = [row.path for row in keys.table.rows if row.path.startswith(_DYNAMO)]
     given = [path for path in paths if keys.given(path)]
     if not given:
@@ -113,16 +117,21 @@ def read_dynamo(keys: SourceKeys) -> dict[str, Any] | None:
     if keys.key(_BACKEND) == "dynamo_backend" and len(given) > 1:
         raise keys.error(_BACKEND, "the older top-level dynamo_backend is given beside dynamo_config, which "
                                    "Accelerate then replaces with it", fix="move it into dynamo_config")
-    backend: str = keys.get(_BACKEND)
+    values = {path: keys.get(path) for path in paths}  # the plugin checks every value, NO or not
+    backend: str = values[_BACKEND]
     if backend == "NO":
         for path in given:
             keys.note(path, Status.EXACT, "" if path == _BACKEND else "unused: dynamo_backend is NO")
         return {"enabled": False}
+    if deepspeed:
+        for path in given:
+            keys.note(path, Status.IGNORED, _DEEPSPEED_RUNS)
+        return None
     # The launcher exports every dynamo setting, its defaults included, so absent keys are its defaults.
     fields: dict[str, Any] = {"enabled": True, "backend": backend.lower()}
     for key, name in _DYNAMO_FIELDS.items():
-        fields[name] = keys.get(_DYNAMO + key)
-    regional = keys.get(_REGIONAL)
+        fields[name] = values[_DYNAMO + key]
+    regional = values[_REGIONAL]
     fields["scope"] = CompileScope.UNITS if regional else CompileScope.MODEL
     for path in paths:
         keys.note(path, Status.EQUIVALENT if path == _REGIONAL and regional else None,
@@ -130,12 +139,13 @@ def read_dynamo(keys: SourceKeys) -> dict[str, Any] | None:
     return fields
 
 
-def write_dynamo(spec: StrategySpec, report: Report) -> dict[str, Any] | None:
-    """The ``dynamo_config`` section for ``spec.compile`` (None when compile is off)."""
+def write_dynamo(spec: StrategySpec, report: Report, *, deepspeed: bool) -> dict[str, Any] | None:
+    """The ``dynamo_config`` section for ``spec.compile`` (None when compile is off, or in a
+    DeepSpeed config, whose runs the launcher does not compile)."""
     c = spec.compile
     backends = load_table("accelerate").row(_BACKEND).values
-    if not c.enabled:
-        no_compile_form(spec, report, "")
+    if not c.enabled or deepspeed:
+        no_compile_form(spec, report, _DEEPSPEED_RUNS)
         return None
     if c.backend.upper() not in backends or c.backend.upper() == "NO":
         report.add("compile", Status.NOT_EXPRESSIBLE, f"Accelerate's dynamo_backend has no {c.backend!r} (it takes "
