@@ -105,7 +105,8 @@ def test_deepspeed_emit_validates_and_names_the_call(spec: StrategySpec) -> None
     config.DeepSpeedConfig({**written.value, "train_micro_batch_size_per_gpu": 1})
     entry = written.report.find("compile")
     assert entry is not None and entry.status is Status.NOT_EXPRESSIBLE
-    assert ("engine.compile(" if spec.compile.scope is CompileScope.MODEL else "module.compile(") in entry.note
+    assert f"engine.compile(backend={spec.compile.backend!r}" in entry.note
+    assert ("module.compile(" in entry.note) == (spec.compile.scope is CompileScope.UNITS)
 
 
 def test_deepcompile_keys_stay_carried_and_validate() -> None:

@@ -98,10 +98,10 @@ def write_deepspeed_compile(spec: StrategySpec, report: Report) -> None:
     kwargs = {k: v for k, v in c.kwargs().items() if k != "backend"}
     call = f"engine.compile(backend={c.backend!r}, compile_kwargs={kwargs!r})"
     if c.scope is CompileScope.UNITS:
-        call = f"module.compile(backend={c.backend!r}, **{kwargs!r}) on each unit's module before deepspeed.initialize"
-    no_compile_form(spec, report, f"DeepSpeed 0.19.8's compile section holds only DeepCompile options and rejects "
-                                  f"enabled/backend; call {call} (zerobridge's deepspeed backend compiles when "
-                                  "compile.enabled), or set dynamo_config when launching through Accelerate")
+        call += " (the whole module; per unit, call module.compile(...) on each unit's module)"
+    no_compile_form(spec, report, "DeepSpeed 0.19.8's compile section holds only DeepCompile options and rejects "
+                                  f"enabled/backend; after deepspeed.initialize call {call}; zerobridge's deepspeed "
+                                  "backend compiles when compile.enabled; through Accelerate, set dynamo_config")
 
 
 # ---------------------------------------------------------------------------------------------- Accelerate
