@@ -18,6 +18,7 @@ from zerobridge.errors import ConfigError
 from zerobridge.loading import load
 from zerobridge.registry import strategies
 from zerobridge.spec import StrategySpec
+from zerobridge.spec.compilation import CompileMode, CompileScope, CompileSpec
 from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
 from zerobridge.translate.formats import for_world_size
 
@@ -92,3 +93,31 @@ def test_without_a_world_size_accelerate_refuses_and_the_report_says_which_flag(
     assert entry is not None and "--world-size N" in entry.note and "--num_processes N" in entry.note
     with pytest.raises(ValueError, match="num_processes"):
         launched(translation.value, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("scope", list(CompileScope))
+def test_compiled_spec_launches_with_its_dynamo_plugin(scope: CompileScope, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamo_config passes the launcher's checks and reaches TorchDynamoPlugin as the spec says."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    compile = CompileSpec(enabled=True, backend="aot_eager", mode=CompileMode.MAX_AUTOTUNE_NO_CUDAGRAPHS, scope=scope,
+                          fullgraph=True, dynamic=True)
+    check(load("zero3").value.model_copy(update={"compile": compile}), "accelerate-fsdp", tmp_path, monkeypatch)
+    plugin = TorchDynamoPlugin()
+    assert plugin.backend.value == "AOT_EAGER" and plugin.mode == compile.mode.value
+    assert plugin.fullgraph is True and plugin.dynamic is True
+    assert plugin.use_regional_compilation is (scope is CompileScope.UNITS)
+    assert plugin.to_kwargs()["backend"] == "aot_eager"  # what torch.compile gets
+
+
+def test_deepspeed_runs_get_no_dynamo_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the DeepSpeed flavor reports compile as not expressible: a dynamo_config beside
+    distributed_type DEEPSPEED never reaches the training process."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    spec = for_world_size(load("zero2").value, WORLD)
+    config = {**write_accelerate_deepspeed(spec).value, "dynamo_config": {"dynamo_backend": "INDUCTOR"}}
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    launched(config, tmp_path, monkeypatch)
+    assert TorchDynamoPlugin().backend.value == "NO"

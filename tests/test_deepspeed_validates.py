@@ -158,7 +158,11 @@ _SOURCES = st.fixed_dictionaries(
         "optimizer": st.just({"type": "AdamW", "params": {"lr": "auto"}}),
         "sparse_gradients": st.booleans(), "amp": st.just({"enabled": False}),
         "curriculum_learning": st.just({"enabled": False}),
+        "compile": st.fixed_dictionaries({}, optional={  # DeepCompile keys, and the legacy ones 0.19.8 rejects
+            "deepcompile": st.booleans(), "passes": st.just(["z1"]), "disable": st.booleans(),
+            "backend": st.just("inductor"), "kwargs": st.just({"mode": "max-autotune"})}),
     })
+_LEGACY_COMPILE = ("enabled", "disable", "backend", "kwargs", "mode", "fullgraph", "dynamic", "options")
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -173,6 +177,8 @@ def test_generated_sources_validate_after_the_round_trip(source: dict[str, Any])
     kept = {k: v for k, v in source.items() if k not in removed}
     kept["zero_optimization"] = {k: v for k, v in source["zero_optimization"].items()
                                  if f"zero_optimization.{k}" not in removed}
+    if "compile" in source:  # read into the spec's compile, never written
+        kept["compile"] = {k: v for k, v in source["compile"].items() if k not in _LEGACY_COMPILE}
     assume(_accepts(kept))
     try:
         spec = read_deepspeed(parse_json(json.dumps(source), "generated.json")).value
@@ -180,3 +186,5 @@ def test_generated_sources_validate_after_the_round_trip(source: dict[str, Any])
         return  # refused with a message (a combination DeepSpeed would silently ignore)
     config = write_deepspeed(spec).value
     _validate(config)
+    if "disable" in source.get("compile", {}):
+        assert spec.compile.enabled is not source["compile"]["disable"]

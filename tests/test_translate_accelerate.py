@@ -444,6 +444,13 @@ def fsdp2_yaml(draw: st.DrawFn) -> dict[str, Any]:
                                           "parallelism_config_dp_shard_size": shard}
     elif draw(st.booleans()):
         data["num_processes"] = draw(st.sampled_from([2, 8]))
+    if draw(st.booleans()):
+        data["dynamo_config"] = draw(st.fixed_dictionaries(
+            {"dynamo_backend": st.sampled_from(["NO", "INDUCTOR", "aot_eager", "EAGER"]),
+             "dynamo_use_dynamic": st.booleans()},
+            optional={"dynamo_mode": st.sampled_from(["default", "reduce-overhead", "max-autotune",
+                                                      "max-autotune-no-cudagraphs"]),
+                      "dynamo_use_fullgraph": st.booleans(), "dynamo_use_regional_compilation": st.booleans()}))
     return data
 
 

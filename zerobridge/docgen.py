@@ -109,7 +109,8 @@ def render_translators() -> str:
                    "|---|---|---|---|---|\n")
         for row in table.rows:
             names = " / ".join(f"`{n}`" for n in row.names)
-            default = f"`{row.default!r}`" if row.has_default else ""
+            shown = list(row.default) if isinstance(row.default, tuple) else row.default
+            default = f"`{shown!r}`" if row.has_default else ""
             extra = f" Deprecated: use {row.deprecated}." if row.deprecated else ""
             auto = ' Accepts `"auto"`.' if row.auto else ""
             note = (row.note + extra + auto).replace("|", "\\|")

@@ -30,6 +30,7 @@ from typing import Any
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import AUTO, DType, Stage, StrategySpec, is_auto
+from zerobridge.translate.compilation import read_dynamo
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -53,9 +54,14 @@ P = "parallelism_config.parallelism_config_"
 D = "deepspeed_config."
 
 
-def _fsdp_prefix(prefix: str, key: str) -> str:
-    # The launcher copies fsdp_config keys to --fsdp_* arguments, adding the prefix when missing.
-    return key if prefix != "fsdp_config" or key.startswith("fsdp_") else f"fsdp_{key}"
+_PREFIXES = {"fsdp_config": "fsdp_", "dynamo_config": "dynamo_"}
+
+
+def _launcher_prefix(prefix: str, key: str) -> str:
+    # The launcher copies fsdp_config and dynamo_config keys to --fsdp_* / --dynamo_* arguments,
+    # adding the prefix when missing.
+    head = _PREFIXES.get(prefix)
+    return key if head is None or key.startswith(head) else head + key
 
 
 def _call(located: Located, reader: Callable[[Located], Translation[StrategySpec]], data: dict[str, Any],
@@ -78,7 +84,7 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
     """
     report = Report(source=FORMAT, target="spec")
     keys = SourceKeys(located, load_table(FORMAT), report, consumer="Accelerate", bools="accelerate",
-                      normalize=_fsdp_prefix)
+                      normalize=_launcher_prefix)
     if not keys.given("distributed_type"):
         raise located.error("no distributed_type: Accelerate refuses a config without one",
                             fix="add distributed_type: FSDP, DEEPSPEED or MULTI_GPU")
@@ -102,6 +108,9 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
         if _SECTIONS.get(kind) != section:
             for path in [p for p in keys.values if p.startswith(section + ".")]:
                 keys.note(path, Status.IGNORED, f"distributed_type is {kind}: Accelerate does not read {section}")
+    compiled = read_dynamo(keys, deepspeed=kind == "DEEPSPEED")
+    if compiled is not None:
+        spec = update_spec(spec, {"compile": compiled}, source=located.source)
     keys.note_rest()
     carried = keys.passthrough()
     if carried:

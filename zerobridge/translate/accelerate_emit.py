@@ -21,6 +21,7 @@ from typing import Any
 from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, StrategySpec, is_auto
 from zerobridge.translate.accelerate import D, F, FORMAT, read_accelerate
+from zerobridge.translate.compilation import write_dynamo
 from zerobridge.translate.keys import join_notes, spec_diff
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
@@ -126,7 +127,7 @@ def write_accelerate_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]
     """An Accelerate DeepSpeed config with inline deepspeed_config keys for ``spec``; what the inline
     keys cannot carry is reported."""
     report = Report(source="spec", target="accelerate-deepspeed")
-    out, sections = _base(spec, report)
+    out, sections = _base(spec, report, deepspeed=True)
     out["distributed_type"] = "DEEPSPEED"
     o, b = spec.offload, spec.batch
     ds: dict[str, Any] = {**sections.get("deepspeed_config", {}), "zero_stage": spec.sharding.stage.value,
@@ -151,8 +152,8 @@ def write_accelerate_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]
     return _checked(spec, out, report, _DS_HINT)
 
 
-def _base(spec: StrategySpec, report: Report) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Top-level keys: the carried Accelerate settings, mixed_precision, num_processes."""
+def _base(spec: StrategySpec, report: Report, *, deepspeed: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Top-level keys: the carried Accelerate settings, mixed_precision, dynamo_config, num_processes."""
     carried = dict(spec.passthrough.get(FORMAT, {}))
     sections = {k: carried.pop(k) for k in ("fsdp_config", "deepspeed_config", "parallelism_config")
                 if isinstance(carried.get(k), dict)}
@@ -167,6 +168,9 @@ def _base(spec: StrategySpec, report: Report) -> tuple[dict[str, Any], dict[str,
             report.add("precision.master_dtype", Status.APPROXIMATED, "Accelerate keeps fp32 master weights under "
                        f"mixed precision; pure {p.param_dtype} training is mixed_precision: no with the model loaded "
                        f"in {p.param_dtype}", target="mixed_precision")
+    dynamo = write_dynamo(spec, report, deepspeed=deepspeed)
+    if dynamo is not None:
+        out["dynamo_config"] = dynamo
     if spec.sharding.world_size:
         out["num_processes"] = spec.sharding.world_size
     elif "num_processes" not in out:

@@ -30,6 +30,7 @@ from zerobridge.spec import (
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
+from zerobridge.translate.compilation import read_deepspeed_compile
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -69,6 +70,7 @@ def read_deepspeed(located: Located) -> Translation[StrategySpec]:
         "wrapping": _wrapping(keys, stage),
         "batch": _batch(keys, stage),
         "checkpoint": _checkpoint(keys),
+        "compile": read_deepspeed_compile(keys),
     }
     if keys.carried:
         fields["passthrough"] = {FORMAT: keys.carried}

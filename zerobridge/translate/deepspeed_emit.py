@@ -24,6 +24,7 @@ from zerobridge.spec import (
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
+from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 
@@ -54,6 +55,7 @@ def write_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]]:
         report.add("sharding.world_size", Status.NOT_EXPRESSIBLE,
                    f"DeepSpeed takes the world size ({spec.sharding.world_size}) from the launcher")
     _passthrough(spec, out, report)
+    write_deepspeed_compile(spec, report)
     return Translation(out, report)
 
 

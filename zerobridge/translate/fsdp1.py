@@ -26,6 +26,7 @@ from zerobridge.spec import (
     OptimizerOffload, ParamOffload, ParamSharding, PrecisionSpec, RootWrap, ShardingSpec,
     StrategySpec,
 )
+from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.fsdp import (
     PER_UNIT, Loop, accumulate_dtype_for, build_mesh, check_precision, choice, layer_classes, read_keys, read_mesh,
     read_training_loop, read_wrap, section, take, with_world_size,
@@ -183,6 +184,8 @@ def write_fsdp1(spec: StrategySpec) -> Translation[dict[str, Any]]:
         report.add("communication.max_inflight_gathers", Status.APPROXIMATED, "FSDP1's limiter allows exactly two "
                    f"units' all-gathers in flight, not {c.max_inflight_gathers}", target="limit_all_gathers")
     report_fixed_behaviour(spec, report)
+    no_compile_form(spec, report, "FullyShardedDataParallel takes no compile argument: call torch.compile on the "
+                                  "wrapped model in the script (needs use_orig_params=True)")
     carried = spec.passthrough.get(FMT, {})
     for key in CARRIED_FLAGS:
         out[key] = carried.get(key, False)

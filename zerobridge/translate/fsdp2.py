@@ -24,6 +24,7 @@ from zerobridge.spec import (
     BackwardPrefetch, CheckpointFormat, CommunicationSpec, DType, GradSync, OffloadDevice, OffloadSpec,
     OptimizerOffload, ParamOffload, ParamSharding, PrecisionSpec, ShardingSpec, StrategySpec,
 )
+from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.fsdp import (
     PER_UNIT, Loop, accumulate_dtype_for, build_mesh, check_precision, layer_classes, read_keys, read_mesh,
     read_training_loop, read_wrap, section, take, with_world_size,
@@ -160,6 +161,8 @@ def write_fsdp2(spec: StrategySpec) -> Translation[dict[str, Any]]:
         if carried.get(key) is not None:
             out[key] = carried[key]
     _report_communication(spec, report)
+    no_compile_form(spec, report, "fully_shard takes no compile argument: call module.compile(...) on the model "
+                                  "or on each unit's module in the script")
     loop = write_training_loop(spec, report, param=param, force_no_sync=plan.force_no_sync,
                                clip_api="torch.nn.utils.clip_grad_norm_")
     loop["full_state_dict"] = checkpoint_format(spec, report, target="training_loop.full_state_dict") is \

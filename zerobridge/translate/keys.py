@@ -204,7 +204,7 @@ class SourceKeys:
         text = str(value).lower()
         if text in TRUTHY or text in FALSY:
             return text in TRUTHY
-        raise self.located.error(f"expected true or false, got {value!r}", key=key)
+        raise self.located.error(f"expected true or false, got {value!r}", key=key, fix="write true or false")
 
     def note(self, path: str, status: Status | None = None, extra: str = "", *, target: str = "") -> None:
         """Report ``path`` (as spelled) with its table note and ``extra``, or its default when absent."""

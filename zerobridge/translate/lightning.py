@@ -27,6 +27,7 @@ from typing import Any
 
 from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import DType, StrategySpec, is_auto
+from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.keys import SourceKeys, spec_diff, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -249,7 +250,11 @@ def write_lightning(spec: StrategySpec) -> Translation[dict[str, Any]]:
         report.add(f"kwargs.{key}", Status.EXACT, f"{value!r}; the bare name gives {_default(cls, bare, key)!r}",
                    target=f"{cls}.{key}")
     hint = _DS_HINT if cls == "DeepSpeedStrategy" else "no FSDPStrategy argument says it"
+    no_compile_form(spec, report, "no Lightning strategy or Trainer argument compiles: pass torch.compile(model) "
+                                  "to trainer.fit")
     for path, want, got in diffs:
+        if path.startswith("compile."):
+            continue
         report.add(path, Status.NOT_EXPRESSIBLE, f"{want!r} has no form here; {name} gives {got!r}; {hint}")
     for fmt in spec.passthrough:
         if fmt != FORMAT:

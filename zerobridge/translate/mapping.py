@@ -115,13 +115,18 @@ def _row(raw: dict[str, Any], fmt: str) -> Row:
             status=Status(raw.get("status", "exact")),
             note=raw.get("note", ""),
             aliases=tuple(raw.get("aliases", ())),
-            default=raw.get("default", _NO_DEFAULT),
+            default=_frozen(raw.get("default", _NO_DEFAULT)),
             auto=bool(raw.get("auto", False)),
             deprecated=raw.get("deprecated", ""),
             values=tuple(raw.get("values", ())),
         )
     except (KeyError, ValueError) as exc:  # a broken shipped table is a bug
         raise RuntimeError(f"mappings/{fmt}.toml: bad row {raw!r}: {exc}") from exc
+
+
+def _frozen(value: Any) -> Any:
+    """A list default as a tuple: rows are hashable."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 @cache

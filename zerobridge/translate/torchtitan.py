@@ -19,7 +19,8 @@ so zerobridge does not write them.
 torchtitan applies FSDP2 itself: the reader builds the ``fully_shard``
 arguments torchtitan passes (its mesh, reshard policy and mixed-precision
 policy) and hands them to the FSDP2 reader; tensor, pipeline, context and
-expert parallelism are reported as not expressible. ``data_parallel_shard_degree
+expert parallelism are reported as not expressible. ``[compile]`` (older:
+``training.compile``) compiles every TransformerBlock, the spec's units. ``data_parallel_shard_degree
 = -1`` needs the world size (``world_size=``, torchrun's WORLD_SIZE); without it
 the shard group is read as the whole data-parallel world.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerobridge.spec import DType, StrategySpec
+from zerobridge.translate.compilation import read_torchtitan_compile
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -105,7 +107,8 @@ def read_torchtitan(located: Located, *, world_size: int | None = None) -> Trans
     else:
         spec = _read_ddp(keys, replicate, param, micro, global_batch, accumulation, mode != "none")
     spec = update_spec(spec, {"sharding.world_size": dp_world if fsdp else replicate,
-                              "batch.accumulation_steps": accumulation, "batch.global_batch_size": global_batch})
+                              "batch.accumulation_steps": accumulation, "batch.global_batch_size": global_batch,
+                              "compile": read_torchtitan_compile(keys, per_block=fsdp)})
     keys.note_rest()
     carried = keys.passthrough()
     if carried:

@@ -79,7 +79,7 @@ def as_bool(located: Located, key: str, value: Any, *, auto: bool = False) -> An
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise located.error(f"expected true or false, got {value!r}", key=key)
+    raise located.error(f"expected true or false, got {value!r}", key=key, fix="write true or false")
 
 
 def as_dtype(located: Located, key: str, value: Any, *, auto: bool = False) -> Any:
