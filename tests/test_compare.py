@@ -178,6 +178,19 @@ def test_exact_only_skips_what_a_backend_cannot_express() -> None:
     assert "ZeRO-1 has no FSDP form" in p.comparison.skipped[0].reason
 
 
+def test_compile_plans_every_pair_compiled() -> None:
+    from zerobridge.compare.runner import _choice
+
+    p = plan(stages=[0, 3], backends=["native", "deepspeed"], nproc=2, steps=2, compile=True)
+    assert all(r.spec.compile.enabled for r in p.runs)
+    assert [_choice(r) for r in p.runs if r.by_stage][0] == {"stage": 0, "compile": True}
+    assert {r.name: r.approximations for r in p.runs if r.approximations} == {"deepspeed/stage3": ("compile.scope",)}
+    assert p.comparison.compiled and p.comparison.to_json()["compiled"] is True
+    assert ", compiled" in p.comparison.render().splitlines()[0]
+    eager = plan(stages=[0], backends=["native"], nproc=2, steps=2)
+    assert _choice(eager.runs[0]) == {"stage": 0} and not eager.comparison.compiled
+
+
 def test_approximated_run_is_measured_against_the_zero2_formula() -> None:
     from zerobridge.compare.api import _formulas
 

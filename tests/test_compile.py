@@ -242,6 +242,48 @@ def test_a_recompile_is_caught(one_rank: None) -> None:
         assert_no_recompile(result)
 
 
+def _llama(use_cache: bool) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=101, max_position_embeddings=64,
+                                      use_cache=use_cache)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _train_llama(compile: bool) -> tuple[list[float], list[int]]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = zerobridge.prepare(_llama(use_cache=False), stage=3, compile=compile)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, graphs = [], []
+    for step in range(3):
+        ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert sum(counters["graph_break"].values()) == 0
+    torch.distributed.destroy_process_group()
+    return losses, graphs
+
+
+def test_hugging_face_llama_compiles_one_graph_for_every_layer(one_rank: None) -> None:
+    eager, _ = _train_llama(compile=False)
+    losses, graphs = _train_llama(compile=True)
+    assert graphs == [1, 1, 1], "three decoder layers share one graph; none recompiles"
+    assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= RTOL
+
+
+def test_a_kv_cache_in_training_is_named(one_rank: None) -> None:
+    with pytest.warns(UserWarning, match="use_cache = False"):
+        zerobridge.prepare(_llama(use_cache=True), stage=3, compile=True)
+
+
 def test_compile_targets_are_the_innermost_units() -> None:
     from zerobridge.engine.compiling import compile_targets
     from zerobridge.engine.units import unit_modules

@@ -225,7 +225,8 @@ def solo_group() -> Iterator[None]:
     "zerobridge.engine.offload", "zerobridge.engine.swap", "zerobridge.engine.master", "zerobridge.api",
     "zerobridge.testing.measure", "zerobridge.init.replay", "zerobridge.engine.materialize",
     "zerobridge.pretrained.files", "zerobridge.pretrained.load", "zerobridge.pretrained.targets",
-    "zerobridge.testing.deferred", "zerobridge.testing.big_model",
+    "zerobridge.testing.deferred", "zerobridge.testing.big_model", "zerobridge.engine.compiling",
+    "zerobridge.spec.compilation",
 ])
 def test_module_examples_run(name: str, solo_group: None) -> None:
     result = doctest.testmod(importlib.import_module(name))

@@ -29,6 +29,7 @@ compiles the root's call in place (``nn.Module.compile``), which is what
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -72,6 +73,7 @@ def apply_compile(units: Sequence[nn.Module], spec: CompileSpec) -> list[nn.Modu
     if not spec.enabled:
         return []
     check_compile(spec)
+    _warn_cache(units[0])
     targets = compile_targets(units, spec.scope)
     if spec.scope is CompileScope.MODEL:
         targets[0].compile(**spec.kwargs())
@@ -80,6 +82,15 @@ def apply_compile(units: Sequence[nn.Module], spec: CompileSpec) -> list[nn.Modu
         # An instance attribute: the class's forward, and the module's hooks, stay as they were.
         module.forward = torch.compile(module.forward, **spec.kwargs())  # type: ignore[method-assign]
     return targets
+
+
+def _warn_cache(root: nn.Module) -> None:
+    config = getattr(root, "config", None)
+    if getattr(config, "use_cache", False) and root.training:
+        warnings.warn(f"{type(root).__name__}.config.use_cache is True: each layer's forward writes its own KV-cache "
+                      "entry, so dynamo compiles one graph per layer and runs the layers past its recompile limit "
+                      "(torch._dynamo.config.recompile_limit, 8) eagerly; set model.config.use_cache = False to "
+                      "train compiled", stacklevel=3)
 
 
 def is_compiled_wrapper(model: nn.Module) -> bool:
