@@ -178,13 +178,14 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def splice(doc: str, block: str) -> str:
+def splice(doc: str, block: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
     """``doc`` with the text between the markers replaced by ``block``."""
-    head, found, rest = doc.partition(BEGIN)
-    _, found_end, tail = rest.partition(END)
+    begin, end = markers
+    head, found, rest = doc.partition(begin)
+    _, found_end, tail = rest.partition(end)
     if not (found and found_end):
-        raise SystemExit(f"{DOC}: the markers {BEGIN} and {END} are missing")
-    return f"{head}{BEGIN}\n{block}{END}{tail}"
+        raise SystemExit(f"{DOC}: the markers {begin} and {end} are missing")
+    return f"{head}{begin}\n{block}{end}{tail}"
 
 
 def render(results: dict[str, Any]) -> None:
