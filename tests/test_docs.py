@@ -48,7 +48,10 @@ def test_translator_modules_examples_run(name: str) -> None:
 
 def _bench(name: str) -> Any:
     import importlib.util
+    import sys
 
+    if str(REPO / "bench") not in sys.path:  # as `python bench/NAME.py` runs it: siblings importable
+        sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
@@ -64,6 +67,17 @@ def test_big_model_table_is_the_committed_results() -> None:
     results = json.loads((REPO / "bench" / "results" / "big_model.json").read_text(encoding="utf-8"))
     doc = (REPO / "docs" / "big-models.md").read_text(encoding="utf-8")
     assert bench.splice(doc, bench.table(results)) == doc, "rerun `python bench/big_model.py --render`"
+
+
+def test_compile_table_is_the_committed_results() -> None:
+    """docs/benchmarks.md carries the table bench/compile.py renders from bench/results/compile.json."""
+    import json
+
+    bench = _bench("compile")
+    results = json.loads((REPO / "bench" / "results" / "compile.json").read_text(encoding="utf-8"))
+    doc = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert bench.splice(doc, bench.table(results), (bench.BEGIN, bench.END)) == doc, \
+        "rerun `python bench/compile.py --render`"
 
 
 def test_benchmark_table_is_the_committed_results() -> None:
