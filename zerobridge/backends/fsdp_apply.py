@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils.checkpoint import checkpoint
 
 from zerobridge.engine import collectives
+from zerobridge.engine.boundary import checkpointed
 from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.units import collect_params, owners, unit_modules
 from zerobridge.errors import ConfigError
@@ -80,13 +80,7 @@ def apply_activation_checkpointing(model: nn.Module, wrap: WrapSpec) -> None:
     native engine does: the unit's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``."""
     units = unit_modules(model, wrap)
     for module in units[1:] or [model]:
-        module.forward = _checkpointed(module.forward)
-
-
-def _checkpointed(forward: Any) -> Any:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return run
+        module.forward = checkpointed(module.forward)  # type: ignore[method-assign]
 
 
 @dataclass

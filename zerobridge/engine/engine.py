@@ -33,24 +33,24 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
 
 from zerobridge.engine import collectives
+from zerobridge.engine.boundary import after_inputs_backward, cast_floats, checkpointed
 from zerobridge.engine.collectives import CommStats
-from zerobridge.engine.flat_group import FlatGroup, GatherState, Reduction
+from zerobridge.engine.flat_group import FlatGroup, Reduction
 from zerobridge.engine.grouping import build_groups
 from zerobridge.engine.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import open_spaces
 from zerobridge.engine.plan import EnginePlan
+from zerobridge.engine.schedule import Order, Residency, Unit
 from zerobridge.engine.state import full_state_dict, memory
-from zerobridge.engine.step import StepControl, install_optimizer_hooks
+from zerobridge.engine.step import StepControl, install_optimizer_hooks, nonfinite_flag
 from zerobridge.engine.swap import StateSwapper
 from zerobridge.engine.units import collect_params, owners, unit_modules
 from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
@@ -58,27 +58,6 @@ from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
 __all__ = ["Engine", "Unit"]
 
 MAX_INFLIGHT_REDUCTIONS = 2
-
-
-@dataclass(eq=False)
-class Unit:
-    """A wrap unit: its sharded groups are gathered and freed together."""
-
-    index: int
-    module: nn.Module
-    groups: list[FlatGroup] = field(default_factory=list)
-    backward_ready: bool = False
-    """Its backward gather was issued in the current backward pass."""
-    fired: int = 0
-    """Trainable buckets whose gradients arrived in this backward pass."""
-
-    @property
-    def numel(self) -> int:
-        return sum(g.layout.numel for g in self.groups)
-
-    @property
-    def trainable_buckets(self) -> int:
-        return sum(len(g.layout.buckets) for g in self.groups if g.plan.trainable)
 
 
 class Engine:
@@ -136,8 +115,11 @@ class Engine:
         self.ready: set[tuple[int, int]] = set()
         self.cursor = 0
         self.pending: list[Reduction] = []
+        self.residency = Residency(self.groups)
         self.forward_order: list[Unit] = []
-        self.previous_order: list[Unit] = []
+        self.seen: set[Unit] = set()
+        self.previous: Order[Unit] = Order([])
+        self.backward_order: Order[Unit] = Order([])
         self.stats.reset()
         install_optimizer_hooks(self.stepping)
 
@@ -148,7 +130,7 @@ class Engine:
         if self.plan.activation_checkpointing:
             targets = [u.module for u in self.units[1:]] or [self.model]
             for module in targets:
-                module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+                module.forward = checkpointed(module.forward)  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ forward
 
@@ -165,20 +147,24 @@ class Engine:
     def _pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad = torch.is_grad_enabled()
         if unit.index == 0 and not self.in_backward:
-            self.previous_order, self.forward_order = self.forward_order or self.previous_order, []
+            if self.forward_order:
+                self.previous = Order(self.forward_order, {u: u.numel for u in self.forward_order})
+            self.forward_order, self.seen = [], set()
             if self.plan.compute_dtype != torch.float32:
-                args, kwargs = _cast_floats((args, kwargs), self.plan.compute_dtype)
+                args, kwargs = cast_floats((args, kwargs), self.plan.compute_dtype)
             for group in self.replicated:
                 group.install(mark_used=grad)
-        if not self.in_backward and unit not in self.forward_order:
+        if not self.in_backward and unit not in self.seen:
             self.forward_order.append(unit)
-        for group in unit.groups:
-            group.unshard(backward=False)
+            self.seen.add(unit)
+        self.residency.gather(unit, backward=False)
         if self.plan.forward_prefetch and not self.in_backward:
-            self._prefetch(unit, self.previous_order, backward=False)
+            self._prefetch(unit, self.previous, backward=False)
+        self.residency.wait(unit)
         for group in unit.groups:
-            group.wait_unshard()
             group.install(mark_used=grad and not self.in_backward)
+        if grad and not self.in_backward and unit.frozen and self.plan.sharding.sharded_at_rest:
+            args, kwargs = after_inputs_backward((args, kwargs), self._post_backward_hook(unit))
         return args, kwargs
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
@@ -187,8 +173,8 @@ class Engine:
         grad = torch.is_grad_enabled()
         for group in unit.groups:
             group.restore()
-            if not grad or (self.plan.sharding is ParamSharding.RESHARD_AFTER_FORWARD and not self._reused(unit)):
-                group.reshard(keep_secondary=grad)
+        if not grad or (self.plan.sharding is ParamSharding.RESHARD_AFTER_FORWARD and not self._reused(unit)):
+            self.residency.free(unit, unit.groups, keep_secondary=grad)
         if unit.index == 0:
             for group in self.replicated:
                 group.restore()
@@ -206,38 +192,31 @@ class Engine:
         """Keep a unit gathered after forward when its backward use comes within
         ``max_reuse_distance`` gathered elements (the last units of forward)."""
         limit = self.plan.max_reuse_distance
-        if not limit or unit not in self.previous_order:
+        if not limit or self.previous.position(unit) is None:
             return False
-        later = self.previous_order[self.previous_order.index(unit) + 1:]
-        return 2 * sum(u.numel for u in later) <= limit
+        return 2 * self.previous.numel_after(unit) <= limit
 
-    def _prefetch(self, unit: Unit, order: list[Unit], *, backward: bool) -> None:
-        if unit not in order:
-            return
+    def _prefetch(self, unit: Unit, order: Order[Unit], *, backward: bool) -> None:
+        """Gather the units after ``unit`` in ``order`` within the prefetch bucket (one unit when it is
+        unset), the live-parameter cap and the in-flight cap. Units already gathered count
+        against the bucket, so each call looks at most one bucket ahead."""
         budget = self.plan.prefetch_bucket
         if budget == 0:  # DeepSpeed: a prefetch bucket of 0 turns prefetching off
             return
-        live_cap = self.plan.max_live_parameters
-        inflight_cap = self.plan.max_inflight_gathers
-        live = sum(g.gathered_numel for g in self.groups)
-        inflight = sum(1 for u in self.units if any(g.state is GatherState.GATHERING for g in u.groups))
-        issued = 0
-        start = order.index(unit) + 1
-        for nxt in order[start:start + 1] if budget is None else order[start:]:
+        live_cap, inflight_cap = self.plan.max_live_parameters, self.plan.max_inflight_gathers
+        ahead = 0
+        for nxt in order.following(unit):
             numel = nxt.numel
-            if issued and budget is not None and issued + numel > budget:
+            if ahead and (budget is None or ahead + numel > budget):
                 break
-            if live_cap is not None and live + numel > live_cap:
-                break
-            if inflight_cap is not None and inflight >= inflight_cap:
-                break
-            if all(g.state is not GatherState.SHARDED for g in nxt.groups):
+            ahead += numel
+            if not self.residency.is_sharded(nxt):
                 continue  # already gathered or on its way
-            inflight += 1
-            for group in nxt.groups:
-                group.unshard(backward=backward)
-            issued += numel
-            live += numel
+            if live_cap is not None and self.residency.live + numel > live_cap:
+                break
+            if inflight_cap is not None and len(self.residency.inflight) >= inflight_cap:
+                break
+            self.residency.gather(nxt, backward=backward)
 
     # ------------------------------------------------------------------ backward
 
@@ -259,6 +238,7 @@ class Engine:
             self.window_open = True
         self.ready.clear()
         self.cursor = 0
+        self.backward_order = Order(self.forward_order[::-1])
 
     def _pre_backward(self, unit: Unit) -> None:
         if not self.in_backward:
@@ -270,12 +250,11 @@ class Engine:
             if unit.index == 0:
                 for group in self.replicated:
                     group.install(mark_used=False)
-            for group in unit.groups:
-                group.unshard(backward=True)
+            self.residency.gather(unit, backward=True)
             if self.plan.backward_prefetch is BackwardPrefetch.BEFORE_GRAD:
-                self._prefetch(unit, self.forward_order[::-1], backward=True)
+                self._prefetch(unit, self.backward_order, backward=True)
+            self.residency.wait(unit)
             for group in unit.groups:
-                group.wait_unshard()
                 group.install(mark_used=False)
 
     def _bucket_hook(self, group: FlatGroup, b: int) -> Any:
@@ -304,12 +283,35 @@ class Engine:
             return
         unit.fired += 1
         if unit.fired == unit.trainable_buckets and self.plan.sharding.sharded_at_rest:
-            for g in unit.groups:
-                if g.plan.trainable:
-                    g.restore()
-                    g.reshard(keep_secondary=False)
-            if self.plan.backward_prefetch is BackwardPrefetch.AFTER_GRAD:
-                self._prefetch(unit, self.forward_order[::-1], backward=True)
+            self._release(unit, [g for g in unit.groups if g.plan.trainable])
+
+    def _post_backward_hook(self, unit: Unit) -> Any:
+        engine = weakref.ref(self)
+
+        def hook() -> None:
+            alive = engine()
+            if alive is not None:
+                alive._inputs_backward_done(unit)
+        return hook
+
+    def _inputs_backward_done(self, unit: Unit) -> None:
+        """The gradients of ``unit``'s inputs are computed: its frozen groups are not needed
+        again this backward (once its trainable buckets fired too)."""
+        unit.inputs_done = True
+        if unit.fired == unit.trainable_buckets:
+            self._release(unit, [])
+
+    def _release(self, unit: Unit, groups: list[FlatGroup]) -> None:
+        """Free ``groups`` after their backward; the unit's frozen groups too once the gradients
+        of its inputs are computed (FSDP2's post-backward: frozen parameters never reduce, so
+        nothing else says when they are done)."""
+        if unit.inputs_done and unit.fired == unit.trainable_buckets:
+            groups = groups + unit.frozen
+        for group in groups:
+            group.restore()
+        self.residency.free(unit, groups, keep_secondary=False)
+        if self.plan.backward_prefetch is BackwardPrefetch.AFTER_GRAD:
+            self._prefetch(unit, self.backward_order, backward=True)
 
     def _launch_ready(self, *, flush: bool = False) -> None:
         while self.cursor < len(self.order):
@@ -337,9 +339,10 @@ class Engine:
         for unit in self.units:
             for group in unit.groups:
                 group.restore()
-                group.reshard(keep_secondary=False)
+            self.residency.free(unit, unit.groups, keep_secondary=False)
             unit.backward_ready = False
             unit.fired = 0
+            unit.inputs_done = False
         for group in self.replicated:
             group.restore()
         self.micro_in_window += 1
@@ -348,16 +351,22 @@ class Engine:
         self.in_backward = False
 
     def _close_window(self) -> None:
-        used = torch.cat([g.used for g in self.trainable]) if self.trainable else torch.zeros(0)
-        flags = used.to(self.groups[0].full.device)
+        """Agree on which parameters were used (and, when steps may be skipped, whether any
+        reduced gradient overflowed) in one all-reduce, read on the host once per step."""
+        device = self.groups[0].full.device
+        parts = [g.used.to(device) for g in self.trainable]
+        if self.stepping.checks_nonfinite:
+            parts.append(nonfinite_flag([g.grad_store for g in self.trainable if g.grad_store is not None], device))
+        flags = torch.cat(parts) if parts else torch.zeros(0, device=device)
         collectives.all_reduce(flags, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
+        flags = flags.cpu()  # the step's one host read (none when the flags are on the host already)
         start = 0
         for group in self.trainable:
             count = len(group.refs)
-            group.attach_grads(flags[start:start + count].cpu())
+            group.attach_grads(flags[start:start + count])
             group.end_window()
             start += count
-        self.stepping.gradients_ready()
+        self.stepping.gradients_ready(found_nonfinite=self.stepping.checks_nonfinite and bool(flags[-1]))
         self.window_open = False
         self.micro_in_window = 0
 
@@ -383,15 +392,3 @@ class Engine:
     def memory(self) -> dict[str, Any]:
         """Model-state bytes on this rank: resident by role, and all of it by tier."""
         return memory(self.groups, self.stepping.optimizers, self.stepping.swapper, self.plan.offload.optimizer)
-
-
-def _checkpointed(forward: Any) -> Any:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return run
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
-
-

@@ -53,11 +53,10 @@ def hide_grads(optimizer: torch.optim.Optimizer, ids: set[int]) -> Hidden:
 
 
 def nonfinite_flag(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
-    """``[1.0]`` when any of this rank's gradients holds an inf or NaN, else ``[0.0]`` (to all-reduce with MAX)."""
-    flag = torch.zeros(1, device=device)
-    if any(not torch.isfinite(g).all() for g in grads):
-        flag.fill_(1.0)
-    return flag
+    """``[1.0]`` when any of this rank's gradients holds an inf or NaN, else ``[0.0]`` (to all-reduce
+    with MAX). Computed where the gradients are, without reading anything back to the host."""
+    bad = [(~torch.isfinite(g)).any().reshape(1).to(device=device, dtype=torch.float32) for g in grads]
+    return torch.cat(bad).amax(0, keepdim=True) if bad else torch.zeros(1, device=device)
 
 
 _NORM_CHUNK = 1 << 22
@@ -133,12 +132,21 @@ class StepControl:
         """Groups holding gradients no optimizer has stepped on yet."""
         self.finalized = False
         self.skip = False
+        self.found_nonfinite = False
+        """Some rank's reduced gradients held an inf or NaN (read with the used flags, ``checks_nonfinite``)."""
         self.skipped_steps = 0
         self.depth: dict[int, int] = {}
         """Nesting of each optimizer's step (by id) now."""
 
-    def gradients_ready(self) -> None:
-        """An accumulation boundary handed every group its gradients."""
+    @property
+    def checks_nonfinite(self) -> bool:
+        """Steps with an inf or NaN gradient are skipped (loss scaling, or the spec says so)."""
+        return self.scaler.enabled or self.plan.skip_nonfinite_steps
+
+    def gradients_ready(self, *, found_nonfinite: bool = False) -> None:
+        """An accumulation boundary handed every group its gradients; ``found_nonfinite``: the
+        all-reduced overflow flag the engine read together with the used flags."""
+        self.found_nonfinite = found_nonfinite
         self.awaiting = {id(g) for g in self.trainable}
         self.finalized = False
         self.depth.clear()  # a step that raised half way is over
@@ -161,10 +169,8 @@ class StepControl:
         if self.scaler.enabled and grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         self.skip = False
-        if self.scaler.enabled or self.plan.skip_nonfinite_steps:
-            local = nonfinite_flag(grads, self._device())
-            collectives.all_reduce(local, self.mesh.control, self.stats, op=dist.ReduceOp.MAX)
-            self.skip = bool(local.item())
+        if self.checks_nonfinite:
+            self.skip = self.found_nonfinite  # unscaling keeps an inf or NaN one
             self.scaler.update(found_inf=self.skip)
             self.skipped_steps += int(self.skip)
         return True

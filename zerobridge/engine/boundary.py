@@ -1,0 +1,65 @@
+"""What the engine puts around a unit's forward: its inputs cast, its forward
+recomputed in backward, and a signal when the gradients of its inputs are computed.
+
+    >>> import torch
+    >>> from zerobridge.engine.boundary import after_inputs_backward, cast_floats
+    >>> cast_floats((torch.ones(2), {"mask": torch.ones(2, dtype=torch.bool)}), torch.bfloat16)[0].dtype
+    torch.bfloat16
+    >>> done = []
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> (y,), _ = after_inputs_backward(((x,), {}), lambda: done.append(True))
+    >>> (y * 2).sum().backward()
+    >>> done, x.grad.tolist()
+    ([True], [2.0, 2.0, 2.0])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["after_inputs_backward", "cast_floats", "checkpointed"]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients are computed,
+    that is after the unit's own backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+def after_inputs_backward(tree: Any, hook: Any) -> Any:
+    """``tree`` with its tensors that require grad passed through one ``_PostBackward``:
+    ``hook()`` runs once in backward, after all of their gradients. Nothing requires
+    grad: ``tree`` as is, and the hook never runs."""
+    leaves, spec = pytree.tree_flatten(tree)
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not at:
+        return tree
+    for i, out in zip(at, _PostBackward.apply(hook, *(leaves[i] for i in at))):
+        leaves[i] = out
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def checkpointed(forward: Any) -> Any:
+    """``forward`` with its activations recomputed in backward instead of kept."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype``."""
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                           tree)

@@ -1,0 +1,126 @@
+"""Wrap units, the order they run in, and what is gathered: kept as the step goes.
+
+    >>> from zerobridge.engine.schedule import Order
+    >>> order = Order(["root", "a", "b", "c"], sizes={"root": 1, "a": 10, "b": 20, "c": 30})
+    >>> list(order.following("a")), order.numel_after("a")
+    (['b', 'c'], 50)
+    >>> list(order.following("c")), order.position("x"), list(order.following("x"))
+    ([], None, [])
+
+The engine asks, at every unit's forward and backward, which units come next
+(prefetch) and how many elements come after a unit (reuse distance), and it
+checks the live and in-flight budgets. Each answer here costs time in the
+number of units it returns, never in the number of units in the model: the
+orders carry a position index and suffix sums built once per step, and the
+gathered elements and in-flight gathers are counters updated at each gather
+and free, so a step's bookkeeping is linear in the number of units (a model
+cut into hundreds of per-module units, as DeepSpeed configs are, steps in time
+proportional to its units).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from torch import nn
+
+from zerobridge.engine.flat_group import FlatGroup, GatherState
+
+__all__ = ["Order", "Residency", "Unit"]
+
+T = TypeVar("T", bound=Hashable)
+
+
+@dataclass(eq=False)
+class Unit:
+    """A wrap unit: its sharded groups are gathered and freed together."""
+
+    index: int
+    module: nn.Module
+    groups: list[FlatGroup] = field(default_factory=list)
+    backward_ready: bool = False
+    """Its backward gather was issued in the current backward pass."""
+    fired: int = 0
+    """Trainable buckets whose gradients arrived in this backward pass."""
+    inputs_done: bool = False
+    """The gradients of its forward inputs were computed: its backward is over (``PostBackward``)."""
+
+    def __hash__(self) -> int:
+        return self.index
+
+    @property
+    def numel(self) -> int:
+        return sum(g.layout.numel for g in self.groups)
+
+    @property
+    def trainable_buckets(self) -> int:
+        return sum(len(g.layout.buckets) for g in self.groups if g.plan.trainable)
+
+    @property
+    def frozen(self) -> list[FlatGroup]:
+        return [g for g in self.groups if not g.plan.trainable]
+
+
+class Order(Generic[T]):
+    """A sequence of units with positions and suffix sums of their sizes."""
+
+    def __init__(self, items: Sequence[T], sizes: dict[T, int] | None = None) -> None:
+        self.items = list(items)
+        self._at = {item: i for i, item in enumerate(self.items)}
+        self._suffix = [0] * (len(self.items) + 1)  # elements of the items after position i: _suffix[i + 1]
+        for i in range(len(self.items) - 1, -1, -1):
+            self._suffix[i] = self._suffix[i + 1] + (sizes[self.items[i]] if sizes else 0)
+
+    def position(self, item: T) -> int | None:
+        return self._at.get(item)
+
+    def following(self, item: T) -> Iterator[T]:
+        """The items after ``item``, one at a time (none when it is not in the order)."""
+        at = self._at.get(item)
+        start = len(self.items) if at is None else at + 1
+        return (self.items[k] for k in range(start, len(self.items)))
+
+    def numel_after(self, item: T) -> int:
+        """Summed sizes of the items after ``item`` (0 when it is not in the order)."""
+        at = self._at.get(item)
+        return 0 if at is None else self._suffix[at + 1]
+
+
+class Residency:
+    """Elements gathered beyond the shards, and units with a gather in flight, as counters.
+
+    Every gather, wait and free of a unit's groups goes through here, so the two
+    budgets of prefetching (``max_live_parameters``, ``max_inflight_gathers``) are
+    read in constant time."""
+
+    def __init__(self, groups: Sequence[FlatGroup]) -> None:
+        self.live = sum(g.gathered_numel for g in groups)
+        self.inflight: set[int] = set()
+
+    def gather(self, unit: Unit, *, backward: bool) -> None:
+        """Issue the all-gathers of ``unit`` that are not there or on their way."""
+        before = sum(g.gathered_numel for g in unit.groups)
+        for group in unit.groups:
+            group.unshard(backward=backward)
+        self.live += sum(g.gathered_numel for g in unit.groups) - before
+        if any(g.state is GatherState.GATHERING for g in unit.groups):
+            self.inflight.add(unit.index)
+
+    def wait(self, unit: Unit) -> None:
+        for group in unit.groups:
+            group.wait_unshard()
+        self.inflight.discard(unit.index)
+
+    def free(self, unit: Unit, groups: Sequence[FlatGroup], *, keep_secondary: bool) -> None:
+        """Free ``groups`` (of ``unit``) back to their shards."""
+        before = sum(g.gathered_numel for g in groups)
+        for group in groups:
+            group.reshard(keep_secondary=keep_secondary)
+        self.live -= before - sum(g.gathered_numel for g in groups)
+        if all(g.state is not GatherState.GATHERING for g in unit.groups):
+            self.inflight.discard(unit.index)
+
+    def is_sharded(self, unit: Unit) -> bool:
+        return all(g.state is GatherState.SHARDED for g in unit.groups)
