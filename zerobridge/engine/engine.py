@@ -198,25 +198,29 @@ class Engine:
 
     def _prefetch(self, unit: Unit, order: Order[Unit], *, backward: bool) -> None:
         """Gather the units after ``unit`` in ``order`` within the prefetch bucket (one unit when it is
-        unset), the live-parameter cap and the in-flight cap. Units already gathered count
-        against the bucket, so each call looks at most one bucket ahead."""
+        unset), the live-parameter cap and the in-flight cap. Units already gathered count against the
+        bucket; the scan resumes where the last one stopped (``order.frontier``), so a pass over the
+        order looks at each unit once."""
         budget = self.plan.prefetch_bucket
-        if budget == 0:  # DeepSpeed: a prefetch bucket of 0 turns prefetching off
+        at = order.position(unit)
+        if budget == 0 or at is None:  # DeepSpeed: a prefetch bucket of 0 turns prefetching off
             return
         live_cap, inflight_cap = self.plan.max_live_parameters, self.plan.max_inflight_gathers
-        ahead = 0
-        for nxt in order.following(unit):
+        start = max(at + 1, order.frontier)
+        ahead = order.numel_between(at + 1, start)
+        for k in range(start, len(order.items)):
+            nxt = order.items[k]
             numel = nxt.numel
             if ahead and (budget is None or ahead + numel > budget):
                 break
+            if self.residency.is_sharded(nxt):
+                if live_cap is not None and self.residency.live + numel > live_cap:
+                    break
+                if inflight_cap is not None and len(self.residency.inflight) >= inflight_cap:
+                    break
+                self.residency.gather(nxt, backward=backward)
             ahead += numel
-            if not self.residency.is_sharded(nxt):
-                continue  # already gathered or on its way
-            if live_cap is not None and self.residency.live + numel > live_cap:
-                break
-            if inflight_cap is not None and len(self.residency.inflight) >= inflight_cap:
-                break
-            self.residency.gather(nxt, backward=backward)
+            order.frontier = k + 1
 
     # ------------------------------------------------------------------ backward
 
@@ -238,7 +242,7 @@ class Engine:
             self.window_open = True
         self.ready.clear()
         self.cursor = 0
-        self.backward_order = Order(self.forward_order[::-1])
+        self.backward_order = Order(self.forward_order[::-1], {u: u.numel for u in self.forward_order})
 
     def _pre_backward(self, unit: Unit) -> None:
         if not self.in_backward:
@@ -359,14 +363,14 @@ class Engine:
             parts.append(nonfinite_flag([g.grad_store for g in self.trainable if g.grad_store is not None], device))
         flags = torch.cat(parts) if parts else torch.zeros(0, device=device)
         collectives.all_reduce(flags, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
-        flags = flags.cpu()  # the step's one host read (none when the flags are on the host already)
+        host = flags.tolist()  # the step's one host read
         start = 0
         for group in self.trainable:
             count = len(group.refs)
-            group.attach_grads(flags[start:start + count])
+            group.attach_grads(host[start:start + count])
             group.end_window()
             start += count
-        self.stepping.gradients_ready(found_nonfinite=self.stepping.checks_nonfinite and bool(flags[-1]))
+        self.stepping.gradients_ready(found_nonfinite=self.stepping.checks_nonfinite and host[-1] > 0)
         self.window_open = False
         self.micro_in_window = 0
 

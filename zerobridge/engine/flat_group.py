@@ -31,7 +31,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -364,7 +364,7 @@ class FlatGroup:
             return self.grad_store[piece.shard_start:piece.shard_stop]
         return self.grad_store[piece.full_start:piece.full_start + piece.numel]
 
-    def attach_grads(self, used: torch.Tensor) -> None:
+    def attach_grads(self, used: Sequence[float]) -> None:
         """Give each sharded parameter used anywhere its gradient (in the master dtype)."""
         cast = self.plan.accumulate_dtype != self.plan.master_dtype or self.master_device != self.full.device
         if cast:

@@ -2,10 +2,10 @@
 
     >>> from zerobridge.engine.schedule import Order
     >>> order = Order(["root", "a", "b", "c"], sizes={"root": 1, "a": 10, "b": 20, "c": 30})
-    >>> list(order.following("a")), order.numel_after("a")
-    (['b', 'c'], 50)
-    >>> list(order.following("c")), order.position("x"), list(order.following("x"))
-    ([], None, [])
+    >>> order.position("a"), order.numel_after("a"), order.numel_between(2, 4)
+    (1, 50, 50)
+    >>> order.numel_after("c"), order.position("x")
+    (0, None)
 
 The engine asks, at every unit's forward and backward, which units come next
 (prefetch) and how many elements come after a unit (reuse distance), and it
@@ -20,7 +20,7 @@ proportional to its units).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -64,23 +64,23 @@ class Unit:
 
 
 class Order(Generic[T]):
-    """A sequence of units with positions and suffix sums of their sizes."""
+    """A sequence of units with positions, suffix sums of their sizes, and how far
+    prefetching has looked (``frontier``: positions before it were looked at in this pass)."""
 
     def __init__(self, items: Sequence[T], sizes: dict[T, int] | None = None) -> None:
         self.items = list(items)
+        self.frontier = 0
         self._at = {item: i for i, item in enumerate(self.items)}
-        self._suffix = [0] * (len(self.items) + 1)  # elements of the items after position i: _suffix[i + 1]
+        self._suffix = [0] * (len(self.items) + 1)  # summed sizes of the items from position i on
         for i in range(len(self.items) - 1, -1, -1):
             self._suffix[i] = self._suffix[i + 1] + (sizes[self.items[i]] if sizes else 0)
 
     def position(self, item: T) -> int | None:
         return self._at.get(item)
 
-    def following(self, item: T) -> Iterator[T]:
-        """The items after ``item``, one at a time (none when it is not in the order)."""
-        at = self._at.get(item)
-        start = len(self.items) if at is None else at + 1
-        return (self.items[k] for k in range(start, len(self.items)))
+    def numel_between(self, start: int, stop: int) -> int:
+        """Summed sizes of the items at positions ``start`` to ``stop - 1``."""
+        return self._suffix[start] - self._suffix[max(start, stop)]
 
     def numel_after(self, item: T) -> int:
         """Summed sizes of the items after ``item`` (0 when it is not in the order)."""
