@@ -80,6 +80,17 @@ def test_compile_table_is_the_committed_results() -> None:
         "rerun `python bench/compile.py --render`"
 
 
+def test_engine_scale_table_is_the_committed_results() -> None:
+    """docs/benchmarks.md carries the table bench/engine_scale.py renders from bench/results/engine_scale.json."""
+    import json
+
+    bench = _bench("engine_scale")
+    results = json.loads((REPO / "bench" / "results" / "engine_scale.json").read_text(encoding="utf-8"))
+    doc = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert bench.splice(doc, bench.table(results), (bench.BEGIN, bench.END)) == doc, \
+        "rerun `python bench/engine_scale.py --render`"
+
+
 def test_benchmark_table_is_the_committed_results() -> None:
     """docs/benchmarks.md carries the table bench/backends.py renders from bench/results/backends.json."""
     import importlib.util
