@@ -168,3 +168,63 @@ def test_at_most_one_host_read_per_step_and_none_in_hooks(one_rank: None, monkey
     for backward, total in per_step:
         assert backward == ["tolist"], f"backward: one read of the used and overflow flags, got {backward}"
         assert total == ["tolist"], f"one host read per optimizer step, got {total}"
+
+
+class Twice(nn.Module):
+    """A frozen block applied twice in a forward: its parameters are needed by both backwards."""
+
+    _no_split_modules = ["LoraBlock"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        from zerobridge.testing.lora import LoraBlock
+
+        torch.manual_seed(0)
+        self.first = LoraBlock(16, 2)
+        self.shared = LoraBlock(16, 2)
+        self.shared.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(self.first(self.shared(x))).pow(2).mean()
+
+
+def train_twice(steps: int = 3) -> tuple[list[float], list[str]]:
+    """On every rank, or alone: ``Twice`` trained with SGD on one batch split over the ranks; and
+    every time backward read a saved tensor whose storage was already freed."""
+    import torch.distributed as dist
+
+    model = Twice()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    sharded = dist.is_initialized()
+    freed: list[str] = []
+    if sharded:
+        model, optimizer = zerobridge.prepare(model, optimizer, stage=3)
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def unpack(saved: torch.Tensor) -> torch.Tensor:  # what backward reads must still have its storage
+        if saved.numel() and saved.untyped_storage().nbytes() == 0:
+            freed.append(f"backward read a freed tensor of shape {tuple(saved.shape)}")
+        return saved
+
+    losses = []
+    for _ in range(steps):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            loss = model(x[rank * 8 // world:(rank + 1) * 8 // world])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses, freed
+
+
+@pytest.mark.distributed
+def test_a_unit_called_twice_keeps_its_frozen_base_for_both_backwards(pair: Cluster) -> None:
+    got, freed = pair.run("test_engine_scale:train_twice")[0]  # type: ignore[misc]
+    ref, _ = train_twice()
+    assert freed == []
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5

@@ -154,7 +154,8 @@ class Engine:
                 args, kwargs = cast_floats((args, kwargs), self.plan.compute_dtype)
             for group in self.replicated:
                 group.install(mark_used=grad)
-        if not self.in_backward and unit not in self.seen:
+        first = not self.in_backward and unit not in self.seen  # its first call in this forward
+        if first:
             self.forward_order.append(unit)
             self.seen.add(unit)
         self.residency.gather(unit, backward=False)
@@ -163,7 +164,8 @@ class Engine:
         self.residency.wait(unit)
         for group in unit.groups:
             group.install(mark_used=grad and not self.in_backward)
-        if grad and not self.in_backward and unit.frozen and self.plan.sharding.sharded_at_rest:
+        if grad and first and unit.frozen and self.plan.sharding.sharded_at_rest:
+            # On the first call only: its inputs' gradients come last when a unit runs twice.
             args, kwargs = after_inputs_backward((args, kwargs), self._post_backward_hook(unit))
         return args, kwargs
 
