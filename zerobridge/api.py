@@ -34,8 +34,8 @@ from zerobridge.errors import ConfigError
 from zerobridge.init.replay import Replay, is_meta_model
 from zerobridge.spec import BatchSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
 
-__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "reset_stats", "spec_for_stage",
-           "stats"]
+__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "refuse_moving", "reset_stats",
+           "spec_for_stage", "stats"]
 
 CONFIG_ENV = "ZEROBRIDGE_CONFIG"
 
@@ -57,6 +57,33 @@ class ZeroModule(nn.Module):
     def zerobridge_engine(self) -> Engine:
         """The engine that runs this model."""
         return self._zerobridge_engine
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ZeroModule:
+        """``.to()``, ``.cuda()``, ``.half()``, ``.float()``, ...: refused when they would move or
+        cast a parameter the engine owns (it would leave the engine's flat buffers behind
+        and train stale copies); a conversion that changes none of them goes through."""
+        refuse_moving(self, self._zerobridge_engine, fn)
+        return super()._apply(fn, recurse)
+
+
+def refuse_moving(model: nn.Module, engine: Engine, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``ConfigError`` when ``fn`` (a module conversion) would change the dtype or device of a
+    sharded parameter. Probed on an empty tensor of each kind, so nothing is copied."""
+    seen: set[tuple[torch.dtype, torch.device]] = set()
+    for group in engine.groups:
+        for param in group.params:
+            kind = (param.dtype, param.device)
+            if kind in seen:
+                continue
+            seen.add(kind)
+            moved = fn(torch.empty(0, dtype=param.dtype, device=param.device))
+            if (moved.dtype, moved.device) != kind:
+                raise ConfigError(
+                    f"{type(model).__name__} is prepared: converting its parameters from {param.dtype} on "
+                    f"{param.device} to {moved.dtype} on {moved.device} would detach them from the engine's "
+                    "flat buffers, and training would go on with stale copies", key="model",
+                    fix="move and cast the model before zerobridge.prepare (model.to(device, dtype)), or choose "
+                        "the compute dtype in the spec (precision.param_dtype)")
 
 
 _CLASSES: dict[type, type] = {}
