@@ -129,3 +129,145 @@ def test_a_conversion_that_changes_nothing_keeps_training_the_engine(solo_group:
             torch.nn.functional.linear(x, full["0.weight"], full["0.bias"]), (4,), full["1.weight"], full["1.bias"]),
             full["2.weight"], full["2.bias"])
         torch.testing.assert_close(model(x), expected)
+
+
+# ---------------------------------------------------------------------- device binding
+
+
+class _Recorder:
+    """Stands in for ``init_process_group`` and ``set_device``: records the calls, then starts a
+    one-rank gloo group so what follows has a group to look at."""
+
+    def __init__(self) -> None:
+        self.inits: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.devices: list[torch.device] = []
+        self.real = dist.init_process_group
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        self.inits.append((args, kwargs))
+        self.real("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def set_device(self, device: torch.device) -> None:
+        self.devices.append(device)
+
+
+@pytest.fixture
+def launcher(monkeypatch: pytest.MonkeyPatch, solo_group: None) -> _Recorder:
+    """Rank 3 of 4 under a launcher, second process of its node; calls recorded."""
+    recorder = _Recorder()
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "init_process_group", recorder.init)
+    monkeypatch.setattr(torch.cuda, "set_device", recorder.set_device)
+    return recorder
+
+
+def test_a_cuda_model_binds_local_ranks_gpu_before_the_group_starts(launcher: _Recorder) -> None:
+    from zerobridge.distributed import init_distributed
+
+    init_distributed(torch.nn.Linear(2, 2), torch.device("cuda"))  # where model.cuda() would put it
+    assert launcher.devices == [torch.device("cuda", 1)]
+    [(args, kwargs)] = launcher.inits
+    assert args == ("nccl",) and kwargs["device_id"] == torch.device("cuda", 1)
+
+
+def test_a_cpu_model_under_a_launcher_starts_gloo_unbound(launcher: _Recorder) -> None:
+    from zerobridge.distributed import init_distributed
+
+    init_distributed(torch.nn.Linear(2, 2))
+    assert launcher.devices == []
+    [(args, kwargs)] = launcher.inits
+    assert args == ("gloo",) and kwargs["device_id"] is None
+
+
+def test_a_model_on_another_ranks_gpu_is_refused(launcher: _Recorder) -> None:
+    from zerobridge.distributed import init_distributed
+    from zerobridge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="LOCAL_RANK=1") as info:
+        init_distributed(torch.nn.Linear(2, 2), torch.device("cuda", 0))
+    assert "set_device" in (info.value.fix or "")
+    assert launcher.inits == [] and launcher.devices == []
+
+
+def _nccl_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default group reports NCCL alone (no CPU path), as on a GPU job."""
+    real = dist.get_backend_config
+
+    def config(group: Any = None) -> str:
+        default = dist.distributed_c10d._get_default_group()
+        return "cuda:nccl" if group is None or group is default else str(real(group))
+    monkeypatch.setattr(dist, "get_backend_config", config)
+
+
+def test_a_cpu_model_under_an_nccl_group_is_refused(monkeypatch: pytest.MonkeyPatch, solo_group: None) -> None:
+    import zerobridge
+    from zerobridge.errors import ConfigError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _nccl_only(monkeypatch)
+    with pytest.raises(ConfigError, match="no CPU path") as info:
+        zerobridge.prepare(torch.nn.Linear(2, 2), stage=3)
+    assert "move the model to its GPU" in (info.value.fix or "") and "gloo" in (info.value.fix or "")
+
+
+def test_a_host_tensor_never_reaches_an_nccl_group(monkeypatch: pytest.MonkeyPatch, solo_group: None) -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _nccl_only(monkeypatch)
+    monkeypatch.setattr(collectives, "_size", lambda group: 2)  # a group of two ranks, as far as checks go
+    default = dist.distributed_c10d._get_default_group()
+    stats = collectives.CommStats()
+    for issue in (lambda: collectives.all_reduce(torch.ones(2), default, stats),
+                  lambda: collectives.all_gather(torch.ones(4), torch.ones(2), default, stats),
+                  lambda: collectives.broadcast(torch.ones(2), 0, default, stats)):
+        with pytest.raises(RuntimeError, match="no CPU path"):
+            issue()
+    assert not stats.calls
+
+
+def save_and_load_under_nccl(*, path: str) -> dict[str, Any]:
+    """Worker: the default group pretends to be NCCL alone; a save and a load must run
+    every barrier and object collective on a gloo group."""
+    import zerobridge
+    from zerobridge.engine.mesh import host_world
+    from zerobridge.testing.parity import ParityNet, batch
+
+    patch = pytest.MonkeyPatch()
+    seen: list[Any] = []
+    for name in ("barrier", "all_gather_object"):
+        real = getattr(dist, name)
+
+        def record(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("group"))
+            return _real(*args, **kwargs)
+        patch.setattr(dist, name, record)
+    try:
+        model = zerobridge.prepare(ParityNet(), stage=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(*batch(0, 0, 4)).backward()
+        opt.step()
+        _nccl_only(patch)  # after prepare: the engine's own tensors are on the CPU here
+        zerobridge.save_checkpoint(path, model, opt)
+        zerobridge.load_checkpoint(path, model, opt)
+        twin = host_world()
+        default = dist.distributed_c10d._get_default_group()
+        return {"calls": len(seen), "on_default": sum(g is None or g is default for g in seen),
+                "on_twin": sum(g is twin for g in seen), "twin_is_gloo": dist.get_backend(twin) == "gloo"}
+    finally:
+        patch.undo()
+
+
+@pytest.mark.distributed
+def test_checkpoint_barriers_run_on_a_gloo_group_under_nccl(clusters: dict[int, Cluster], tmp_path: Any) -> None:
+    for result in clusters[2].run(f"{ME}:save_and_load_under_nccl", path=str(tmp_path / "ckpt")):
+        assert result["calls"] > 0 and result["on_default"] == 0 and result["on_twin"] == result["calls"]
+        assert result["twin_is_gloo"]
+
+
+def test_distributed_examples_run(solo_group: None) -> None:
+    import doctest
+
+    import zerobridge.distributed
+
+    result = doctest.testmod(zerobridge.distributed)
+    assert result.attempted > 0 and result.failed == 0

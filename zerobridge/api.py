@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobridge.distributed import init_distributed
 from zerobridge.engine import Engine, plan_engine
 from zerobridge.engine.materialize import agree_generator, materialize_engine
-from zerobridge.engine.mesh import build_mesh, group_timeout
+from zerobridge.engine.mesh import build_mesh
 from zerobridge.errors import ConfigError
 from zerobridge.init.replay import Replay, is_meta_model
 from zerobridge.spec import BatchSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
@@ -131,21 +132,6 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     if kind == "stage":
         return spec_for_stage(int(choice), model)
     return load(str(choice)).value
-
-
-def init_distributed(model: nn.Module, device: torch.device | None = None) -> None:
-    """Start the default process group unless there is one: gloo (CPU) or NCCL (CUDA)
-    under a launcher, a one-rank gloo group under plain python. ``device``: where
-    the model will live (default: where its parameters are)."""
-    if dist.is_initialized():
-        return
-    timeout = group_timeout()
-    device = device or next(model.parameters()).device
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _check_model(model: nn.Module) -> None:

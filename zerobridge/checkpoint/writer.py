@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zerobridge.checkpoint.layout import Box, key_path
 from zerobridge.checkpoint.storage import CheckpointError, recover, saving_dir, swap_into_place, write_manifest
+from zerobridge.engine.mesh import host_world
 
 __all__ = ["Blob", "Piece", "RunCache", "write_checkpoint"]
 
@@ -141,16 +142,16 @@ class _Planner(DefaultSavePlanner):
 
 def _barrier(distributed: bool) -> None:
     if distributed and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=host_world())
 
 
 def agree(distributed: bool, error: BaseException | None) -> None:
     """Raise on every rank when one failed (rank 0 finishes a save alone). Object
-    collectives, so that it works on NCCL groups too."""
+    collectives over the host group (gloo), whatever the default group's backend."""
     found: list[str | None] = [None if error is None else str(error)]
     if distributed and dist.get_world_size() > 1:
         found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, None if error is None else str(error))
+        dist.all_gather_object(found, None if error is None else str(error), group=host_world())
     if error is not None:
         raise error
     first = next((text for text in found if text is not None), None)
@@ -182,7 +183,8 @@ def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, save
                                   overwrite=True)
     with warnings.catch_warnings():  # no_dist: DCP warns that it saves in one process, as asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed)
+        dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed,
+                 process_group=host_world() if distributed else None)
     _barrier(distributed)
     if rank == 0:
         try:

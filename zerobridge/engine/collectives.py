@@ -33,6 +33,8 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from zerobridge.engine.mesh import carries_host
+
 __all__ = [
     "CollectiveKind", "CommStats", "Pending", "all_gather", "all_reduce", "broadcast", "broadcast_module", "bus_bytes",
     "flat_collective", "reduce_scatter",
@@ -101,6 +103,14 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _check_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """A host tensor never goes to a group without a CPU path (NCCL): callers stage it on the
+    device or use a gloo group (``mesh.host_world``)."""
+    if tensor.device.type == "cpu" and not carries_host(group):
+        raise RuntimeError(f"a CPU tensor was handed to a {dist.get_backend_config(group)} group, which has no "
+                           "CPU path: stage it on the device first, or use a gloo group (mesh.host_world)")
+
+
 def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full: torch.Tensor,
           group: dist.ProcessGroup | None, stats: CommStats, async_op: bool) -> Pending:
     """One flat single-tensor collective; ``full`` is the buffer the volume counts."""
@@ -109,6 +119,7 @@ def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full
         if source.data_ptr() != output.data_ptr():
             output.copy_(source)
         return DONE
+    _check_host(full, group)
     stats.record(kind, full.numel() * full.element_size(), group_size=size)
     work = flat_collective(kind)(output, source, group=group, async_op=async_op)
     return work if async_op else DONE
@@ -138,6 +149,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: Com
     size = _size(group)
     if size == 1:
         return DONE
+    _check_host(tensor, group)
     stats.record("all_reduce", tensor.numel() * tensor.element_size(), group_size=size)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return work if async_op else DONE
@@ -148,6 +160,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, s
     size = _size(group)
     if size == 1:
         return
+    _check_host(tensor, group)
     stats.record("broadcast", tensor.numel() * tensor.element_size(), group_size=size)
     dist.broadcast(tensor, src=src, group=group)
 

@@ -51,6 +51,9 @@ def full_master(group: FlatGroup, mesh: Mesh, stats: CommStats) -> torch.Tensor:
         return group.full
     if group.layout.shards == 1:
         return shard
+    # Master values on the host (offload tiers) are staged on the compute device: the
+    # gather group may have no CPU path (NCCL).
+    shard = shard.to(group.full.device, non_blocking=True)
     gathered = torch.empty(group.layout.numel, dtype=shard.dtype, device=shard.device)
     collectives.all_gather(gathered, shard, mesh.gather, stats)
     return unshuffle(gathered, group.layout)
