@@ -286,11 +286,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     return backend_of(model).clip_grad_norm(float(max_norm), float(norm_type))
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict under the original names (tied ones under each), on every rank."""
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """The unsharded state dict under the original names (tied ones under each). Collective.
+
+    ``rank0_only``: only rank 0 gets it (the others ``{}``); ``offload_to_cpu``:
+    values in host memory. With both, the native engine gathers one group at
+    a time to rank 0's host memory: no rank holds the whole model on its device."""
     from zerobridge.backends import backend_of
 
-    return backend_of(model).full_state_dict()
+    return backend_of(model).full_state(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
 
 def stats(model: nn.Module) -> dict[str, Any]:

@@ -13,7 +13,7 @@ their orders cannot interleave differently on different ranks.
 Host tensors (offloaded master values, a full state gathered to the host,
 checkpoint control messages) never go to a group whose backend has no CPU
 path (NCCL): ``carries_host`` tells, and ``host_world`` is the default group
-when it has one, else a gloo group over every rank, made once.
+when it is gloo, else a gloo group over every rank, made once.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def carries_host(group: dist.ProcessGroup | None = None) -> bool:
 
 
 def host_world() -> dist.ProcessGroup:
-    """A group over every rank that takes CPU tensors: the default group when it does, else
-    a gloo group created on the first call (collective then; later calls return it)."""
+    """A gloo group over every rank: the default group when it is one, else a group created
+    on the first call (collective then; later calls return it)."""
     default = dist.distributed_c10d._get_default_group()
-    if carries_host(default):
+    if carries_host(default) and dist.get_backend(default) == "gloo":  # gloo alone: monitored barriers work
         return default
     for owner, twin in _HOST_WORLD:
         if owner is default:
