@@ -27,16 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobridge.distributed import init_distributed
 from zerobridge.engine import Engine, plan_engine
 from zerobridge.engine.compiling import apply_compile, check_compile, is_compiled_wrapper, unwrap_compiled
 from zerobridge.engine.materialize import agree_generator, materialize_engine
-from zerobridge.engine.mesh import build_mesh, group_timeout
+from zerobridge.engine.mesh import build_mesh
 from zerobridge.errors import ConfigError
 from zerobridge.init.replay import Replay, is_meta_model
 from zerobridge.spec import BatchSpec, CommunicationSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
 
-__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "reset_stats", "spec_for_stage",
-           "stats"]
+__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "refuse_moving", "reset_stats",
+           "spec_for_stage", "stats"]
 
 CONFIG_ENV = "ZEROBRIDGE_CONFIG"
 
@@ -58,6 +59,33 @@ class ZeroModule(nn.Module):
     def zerobridge_engine(self) -> Engine:
         """The engine that runs this model."""
         return self._zerobridge_engine
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ZeroModule:
+        """``.to()``, ``.cuda()``, ``.half()``, ``.float()``, ...: refused when they would move or
+        cast a parameter the engine owns (it would leave the engine's flat buffers behind
+        and train stale copies); a conversion that changes none of them goes through."""
+        refuse_moving(self, self._zerobridge_engine, fn)
+        return super()._apply(fn, recurse)
+
+
+def refuse_moving(model: nn.Module, engine: Engine, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``ConfigError`` when ``fn`` (a module conversion) would change the dtype or device of a
+    sharded parameter. Probed on an empty tensor of each kind, so nothing is copied."""
+    seen: set[tuple[torch.dtype, torch.device]] = set()
+    for group in engine.groups:
+        for param in group.params:
+            kind = (param.dtype, param.device)
+            if kind in seen:
+                continue
+            seen.add(kind)
+            moved = fn(torch.empty(0, dtype=param.dtype, device=param.device))
+            if (moved.dtype, moved.device) != kind:
+                raise ConfigError(
+                    f"{type(model).__name__} is prepared: converting its parameters from {param.dtype} on "
+                    f"{param.device} to {moved.dtype} on {moved.device} would detach them from the engine's "
+                    "flat buffers, and training would go on with stale copies", key="model",
+                    fix="move and cast the model before zerobridge.prepare (model.to(device, dtype)), or choose "
+                        "the compute dtype in the spec (precision.param_dtype)")
 
 
 _CLASSES: dict[type, type] = {}
@@ -110,21 +138,6 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     if kind == "stage":
         return spec_for_stage(int(choice), model)
     return load(str(choice)).value
-
-
-def init_distributed(model: nn.Module, device: torch.device | None = None) -> None:
-    """Start the default process group unless there is one: gloo (CPU) or NCCL (CUDA)
-    under a launcher, a one-rank gloo group under plain python. ``device``: where
-    the model will live (default: where its parameters are)."""
-    if dist.is_initialized():
-        return
-    timeout = group_timeout()
-    device = device or next(model.parameters()).device
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -314,11 +327,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     return backend_of(model).clip_grad_norm(float(max_norm), float(norm_type))
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict under the original names (tied ones under each), on every rank."""
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """The unsharded state dict under the original names (tied ones under each). Collective.
+
+    ``rank0_only``: only rank 0 gets it (the others ``{}``); ``offload_to_cpu``:
+    values in host memory. With both, the native engine gathers one group at
+    a time to rank 0's host memory: no rank holds the whole model on its device."""
     from zerobridge.backends import backend_of
 
-    return backend_of(model).full_state_dict()
+    return backend_of(model).full_state(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
 
 def stats(model: nn.Module) -> dict[str, Any]:

@@ -95,6 +95,17 @@ class Backend(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded values under every original name (tied ones under each), with buffers, on every rank."""
 
+    def full_state(self, *, rank0_only: bool, offload_to_cpu: bool) -> dict[str, torch.Tensor]:
+        """``full_state_dict`` with only rank 0 keeping it (others get ``{}``) and/or the values
+        on the host. Here by gathering everything first; the native engine streams."""
+        import torch
+        import torch.distributed as dist
+
+        state = self.full_state_dict()
+        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        return {k: v.cpu() if offload_to_cpu and isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``tier_bytes``, ``comm_bytes``,

@@ -37,6 +37,13 @@ class NativeBackend(Backend):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.engine.full_state_dict()
 
+    def full_state(self, *, rank0_only: bool, offload_to_cpu: bool) -> dict[str, torch.Tensor]:
+        from zerobridge.engine.state import full_state_dict
+
+        engine = self.engine
+        return full_state_dict(self.model, engine.groups, engine.mesh, engine.stats, rank0_only=rank0_only,
+                               offload_to_cpu=offload_to_cpu)
+
     def stats(self) -> dict[str, Any]:
         engine = self.engine
         return {**engine.memory(), "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),

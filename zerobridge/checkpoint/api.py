@@ -159,10 +159,12 @@ def load_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.o
 def save_full(path: str | Path, model: nn.Module, *, dtype: torch.dtype | None = None) -> Path:
     """Write the whole model's weights (``zerobridge.full_state_dict``) as one
     safetensors file, floating tensors cast to ``dtype`` if given. Collective:
-    every rank gathers, rank 0 writes (atomically)."""
+    the values are gathered group by group into rank 0's host memory, and rank
+    0 writes (atomically)."""
     from zerobridge.api import full_state_dict
 
-    state = {k: v for k, v in full_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    whole = full_state_dict(model, rank0_only=True, offload_to_cpu=True)  # one group at a time, to rank 0's host
+    state = {k: v for k, v in whole.items() if isinstance(v, torch.Tensor)}
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     error: BaseException | None = None
     if not distributed or dist.get_rank() == 0:

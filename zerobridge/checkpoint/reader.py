@@ -44,6 +44,7 @@ from zerobridge.checkpoint.storage import (
     MANIFEST, METADATA_FILE, CheckpointError, checkpoint_kind, read_manifest, recover, verify_files,
 )
 from zerobridge.checkpoint.unpickle import decode_bytes, read_metadata
+from zerobridge.engine.mesh import host_world
 
 __all__ = ["Checkpoint", "Target", "open_checkpoint"]
 
@@ -200,7 +201,7 @@ def _verify(path: Path, manifest: dict[str, Any], distributed: bool) -> None:
     except CheckpointError as exc:
         problem = (exc.message, exc.source, exc.key, exc.fix)
     found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, problem)
+    dist.all_gather_object(found, problem, group=host_world())
     first = next((p for p in found if p is not None), None)
     if first is not None:
         message, source, key, fix = first
@@ -215,7 +216,7 @@ def open_checkpoint(path: str | Path, *, distributed: bool = False) -> Checkpoin
     if not parallel or dist.get_rank() == 0:
         recovered = recover(path)
     if parallel:
-        dist.barrier()
+        dist.barrier(group=host_world())
     kind = checkpoint_kind(path)
     manifest = None
     if kind == "zerobridge":

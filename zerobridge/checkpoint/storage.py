@@ -32,13 +32,14 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from zerobridge.errors import ConfigError
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "aside_dir", "atomic_write_file", "checkpoint_kind",
-           "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files", "write_manifest"]
+           "digest_files", "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files", "write_manifest"]
 
 MANIFEST = "zerobridge.json"
 FORMAT = "zerobridge-checkpoint"
@@ -79,14 +80,23 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, saved: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file of ``directory`` and write ``zerobridge.json`` (fsynced), last."""
-    files = {}
-    for entry in sorted(directory.iterdir()):
-        if entry.name == MANIFEST or not entry.is_file():
-            continue
-        size, sha = _digest(entry)
-        files[entry.name] = {"size": size, "sha256": sha}
+def digest_files(directory: Path, names: Iterable[str], *, threads: int = 4) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "sha256"}}`` of files of ``directory``, hashed by several threads
+    (hashlib lets go of the GIL on large blocks)."""
+    ordered = sorted(names)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(ordered) or 1))) as pool:
+        found = list(pool.map(lambda name: _digest(directory / name), ordered))
+    return {name: {"size": size, "sha256": sha} for name, (size, sha) in zip(ordered, found)}
+
+
+def write_manifest(directory: Path, saved: dict[str, Any], files: dict[str, dict[str, Any]] | None = None
+                   ) -> dict[str, Any]:
+    """Write ``zerobridge.json`` (fsynced), last: ``files`` as hashed by the ranks that wrote
+    them, or (``None``) every file of ``directory`` hashed here."""
+    if files is None:
+        names = [e.name for e in directory.iterdir() if e.name != MANIFEST and e.is_file()]
+        files = digest_files(directory, names)
+    files = dict(sorted(files.items()))
     manifest = {"format": FORMAT, "version": VERSION, "saved": saved, "files": files}
     target = directory / MANIFEST
     with target.open("w", encoding="utf-8") as fh:

@@ -13,14 +13,21 @@
 A ``Piece`` is one box of one key with a function that produces its values;
 DCP calls ``resolve_data`` item by item while it writes, so a rank holds one
 run's values at a time (state kept in files is read there, not before).
-Every rank writes its own ``__<rank>_0.distcp``; rank 0 writes ``.metadata``,
-then the manifest, then swaps the directory into place (``storage.py``).
+Every rank writes its own ``__<rank>_<i>.distcp`` (several files, one per
+writer thread, once a rank has ``THREADED_BYTES`` to write) and hashes them
+itself; rank 0 writes ``.metadata``, collects the digests, writes the
+manifest and swaps the directory into place (``storage.py``). The wait for
+the slowest rank's digests scales with the bytes a rank writes
+(``save_timeout``): a 70B save with optimizer state takes longer than a
+fixed collective timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import io
 import shutil
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,9 +43,31 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zerobridge.checkpoint.layout import Box, key_path
-from zerobridge.checkpoint.storage import CheckpointError, recover, saving_dir, swap_into_place, write_manifest
+from zerobridge.checkpoint.storage import (
+    METADATA_FILE, CheckpointError, digest_files, recover, saving_dir, swap_into_place, write_manifest,
+)
+from zerobridge.engine.mesh import group_timeout, host_world
 
-__all__ = ["Blob", "Piece", "RunCache", "write_checkpoint"]
+__all__ = ["THREADED_BYTES", "WRITER_THREADS", "Blob", "Piece", "RunCache", "save_timeout", "write_checkpoint",
+           "writer_threads"]
+
+WRITER_THREADS = 4
+"""Files (and threads) per rank for a large save: DCP writes them in parallel."""
+THREADED_BYTES = 256 << 20
+"""A rank with fewer bytes to write writes one file."""
+SLOWEST_BYTES_PER_S = 16 << 20
+"""The slowest write-and-hash rate a save waits for (a busy network file system)."""
+
+
+def writer_threads(nbytes: int) -> int:
+    """Writer threads (and files) for a rank that writes ``nbytes``."""
+    return WRITER_THREADS if nbytes >= THREADED_BYTES else 1
+
+
+def save_timeout(nbytes: int) -> datetime.timedelta:
+    """How long ranks wait for the slowest one, which writes and hashes ``nbytes``: the
+    group timeout plus ``nbytes`` at ``SLOWEST_BYTES_PER_S``."""
+    return group_timeout() + datetime.timedelta(seconds=nbytes / SLOWEST_BYTES_PER_S)
 
 
 @dataclass(frozen=True)
@@ -97,6 +126,7 @@ class _Planner(DefaultSavePlanner):
 
     def __init__(self, pieces: list[Piece], blobs: list[Blob]) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+        self.lock = threading.Lock()  # writer threads call resolve_data at once; fetches share RunCaches
         self.pieces = {MetadataIndex(p.key, p.box.offsets): p for p in pieces}
         self.blobs = {MetadataIndex(b.key): b for b in blobs}
         self.paths = {p.key: key_path(p.key, p.fqn) for p in pieces}
@@ -133,29 +163,32 @@ class _Planner(DefaultSavePlanner):
             buffer.seek(0)
             return buffer
         piece = self.pieces[index]
-        value = piece.fetch()
-        if tuple(value.shape) != piece.box.sizes:
-            raise AssertionError(f"{piece.key}: box {piece.box} got values of shape {tuple(value.shape)}")
-        return value.detach().to(device="cpu", dtype=piece.dtype)
+        with self.lock:
+            value = piece.fetch()
+            if tuple(value.shape) != piece.box.sizes:
+                raise AssertionError(f"{piece.key}: box {piece.box} got values of shape {tuple(value.shape)}")
+            return value.detach().to(device="cpu", dtype=piece.dtype)
 
 
-def _barrier(distributed: bool) -> None:
+def agree(distributed: bool, error: BaseException | None, value: Any = None, *,
+          timeout: datetime.timedelta | None = None) -> list[Any]:
+    """Raise on every rank when one failed (rank 0 finishes a save alone), else return every
+    rank's ``value``. Over the host group (gloo), whatever the default group's backend;
+    ``timeout``: wait that long for the other ranks (a monitored barrier first)."""
+    mine = (None if error is None else str(error), value)
+    found: list[Any] = [mine]
     if distributed and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def agree(distributed: bool, error: BaseException | None) -> None:
-    """Raise on every rank when one failed (rank 0 finishes a save alone). Object
-    collectives, so that it works on NCCL groups too."""
-    found: list[str | None] = [None if error is None else str(error)]
-    if distributed and dist.get_world_size() > 1:
+        group = host_world()
+        if timeout is not None:
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
         found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, None if error is None else str(error))
+        dist.all_gather_object(found, mine, group=group)
     if error is not None:
         raise error
-    first = next((text for text in found if text is not None), None)
+    first = next((text for text, _ in found if text is not None), None)
     if first is not None:
         raise CheckpointError(f"another rank failed: {first}", fix="see that rank's error")
+    return [v for _, v in found]
 
 
 def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, saved: dict[str, Any],
@@ -177,16 +210,25 @@ def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, save
         except OSError as exc:
             error = CheckpointError(f"cannot prepare the save ({exc})", source=staged,
                                     fix="check permissions and free space")
-    agree(distributed, error)
-    writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True, thread_count=1,
-                                  overwrite=True)
+    nbytes = sum(p.box.numel * p.dtype.itemsize for p in pieces)
+    patience = save_timeout(max(agree(distributed, error, nbytes)))
+    writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True,
+                              thread_count=writer_threads(nbytes), overwrite=True)
     with warnings.catch_warnings():  # no_dist: DCP warns that it saves in one process, as asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed)
-    _barrier(distributed)
+        dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed,
+                 process_group=host_world() if distributed else None)
+    digests: dict[str, Any] = {}
+    try:  # each rank hashes the files it wrote; rank 0 also DCP's metadata
+        mine = [f.name for f in staged.glob(f"__{rank}_*.distcp")] + ([METADATA_FILE] if rank == 0 else [])
+        digests = digest_files(staged, mine, threads=WRITER_THREADS)
+    except OSError as exc:
+        error = CheckpointError(f"cannot read back what this rank wrote ({exc})", source=staged,
+                                fix="check the file system and free space, then save again")
+    found = agree(distributed, error, digests, timeout=patience)
     if rank == 0:
         try:
-            write_manifest(staged, saved)
+            write_manifest(staged, saved, {name: entry for part in found for name, entry in part.items()})
             swap_into_place(staged, path)
         except OSError as exc:
             error = CheckpointError(f"cannot finish the save ({exc}); the previous checkpoint is untouched",

@@ -13,6 +13,11 @@ that moves no bytes. Tests count calls by patching these functions, so the
 engine calls them through this module (``collectives.all_gather(...)``),
 never by importing the names.
 
+The flat gather and reduce-scatter are ``dist.all_gather_single`` and
+``dist.reduce_scatter_single`` where torch has them (2.13 on); older torch
+has the same collectives as ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``, used instead (``flat_collective``).
+
 Bytes follow the bus-volume convention (per rank): an all-reduce of ``n``
 bytes over ``G`` ranks moves ``2n(G-1)/G``; a reduce-scatter of an ``n``-byte
 input, or an all-gather of an ``n``-byte output, moves ``n(G-1)/G``.
@@ -21,19 +26,25 @@ input, or an all-gather of an ``n``-byte output, moves ``n(G-1)/G``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
+from zerobridge.engine.mesh import carries_host
+
 __all__ = [
     "CollectiveKind", "CommStats", "Pending", "all_gather", "all_reduce", "broadcast", "broadcast_module", "bus_bytes",
-    "reduce_scatter",
+    "flat_collective", "reduce_scatter",
 ]
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
 _BUS_FACTOR: dict[str, float] = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
+# kind -> (torch >= 2.13 name, the older name of the same collective)
+_FLAT_NAMES: dict[str, tuple[str, str]] = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                                           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
 
 
 class Pending(Protocol):
@@ -77,8 +88,27 @@ def bus_bytes(kind: CollectiveKind, payload: torch.Tensor, *, group_size: int) -
     return round(nbytes * _BUS_FACTOR[kind] * (group_size - 1) / group_size)
 
 
+def flat_collective(kind: str) -> Callable[..., Any]:
+    """torch's flat single-tensor ``kind`` (``all_gather`` or ``reduce_scatter``): the 2.13
+    name when this torch has it, else the older one.
+
+    Looked up at every call, so a test can hide the new names.
+    """
+    new, old = _FLAT_NAMES[kind]
+    issue = getattr(dist, new, None)
+    return issue if issue is not None else getattr(dist, old)
+
+
 def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def _check_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """A host tensor never goes to a group without a CPU path (NCCL): callers stage it on the
+    device or use a gloo group (``mesh.host_world``)."""
+    if tensor.device.type == "cpu" and not carries_host(group):
+        raise RuntimeError(f"a CPU tensor was handed to a {dist.get_backend_config(group)} group, which has no "
+                           "CPU path: stage it on the device first, or use a gloo group (mesh.host_world)")
 
 
 def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full: torch.Tensor,
@@ -89,9 +119,9 @@ def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full
         if source.data_ptr() != output.data_ptr():
             output.copy_(source)
         return DONE
+    _check_host(full, group)
     stats.record(kind, full.numel() * full.element_size(), group_size=size)
-    issue = dist.all_gather_single if kind == "all_gather" else dist.reduce_scatter_single
-    work = issue(output, source, group=group, async_op=async_op)
+    work = flat_collective(kind)(output, source, group=group, async_op=async_op)
     return work if async_op else DONE
 
 
@@ -119,6 +149,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: Com
     size = _size(group)
     if size == 1:
         return DONE
+    _check_host(tensor, group)
     stats.record("all_reduce", tensor.numel() * tensor.element_size(), group_size=size)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return work if async_op else DONE
@@ -129,6 +160,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, s
     size = _size(group)
     if size == 1:
         return
+    _check_host(tensor, group)
     stats.record("broadcast", tensor.numel() * tensor.element_size(), group_size=size)
     dist.broadcast(tensor, src=src, group=group)
 

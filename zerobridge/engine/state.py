@@ -51,21 +51,39 @@ def full_master(group: FlatGroup, mesh: Mesh, stats: CommStats) -> torch.Tensor:
         return group.full
     if group.layout.shards == 1:
         return shard
+    # Master values on the host (offload tiers) are staged on the compute device: the
+    # gather group may have no CPU path (NCCL).
+    shard = shard.to(group.full.device, non_blocking=True)
     gathered = torch.empty(group.layout.numel, dtype=shard.dtype, device=shard.device)
     collectives.all_gather(gathered, shard, mesh.gather, stats)
     return unshuffle(gathered, group.layout)
 
 
-def full_state_dict(model: nn.Module, groups: list[FlatGroup], mesh: Mesh,
-                    stats: CommStats) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every parameter whole, under each of its names."""
-    state = model.state_dict()
+def full_state_dict(model: nn.Module, groups: list[FlatGroup], mesh: Mesh, stats: CommStats, *,
+                    rank0_only: bool = False, offload_to_cpu: bool = False) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every parameter whole, under each of its names.
+
+    One group is gathered at a time and let go before the next. ``rank0_only``:
+    only rank 0 keeps the values (the others return ``{}``, and ranks outside
+    rank 0's shard group do not communicate). ``offload_to_cpu``: each group's
+    values go to host memory as soon as they are gathered, so no rank holds
+    the whole model on its device."""
+    keep = not rank0_only or mesh.rank == 0
+    if rank0_only and mesh.rank >= mesh.shard_size:
+        return {}
+    state = model.state_dict() if keep else {}
+    if offload_to_cpu:
+        state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     for group in groups:
         full = full_master(group, mesh, stats)
+        if not keep:
+            continue
         for ref, offset in zip(group.refs, group.layout.offsets):
-            value = full[offset:offset + ref.numel].view(ref.shape).clone()
+            run = full[offset:offset + ref.numel].view(ref.shape)
+            value = run.to("cpu", copy=True) if offload_to_cpu else run.clone()
             for name in ref.names:
                 state[name] = value
+        del full
     return state
 
 

@@ -1,0 +1,96 @@
+"""Starting the default process group, with this rank's accelerator bound first.
+
+    >>> import torch
+    >>> from zerobridge.distributed import backend_for, bound_device
+    >>> backend_for(torch.device("cuda", 1)), backend_for(torch.device("cpu"))
+    ('nccl', 'gloo')
+    >>> bound_device(torch.device("cpu"), local_rank=3)
+    device(type='cpu')
+    >>> bound_device(torch.device("cuda"), local_rank=3)
+    device(type='cuda', index=3)
+
+Under a launcher, rank ``r`` of a node uses accelerator ``LOCAL_RANK``, as
+FSDP2 and torchtitan do: ``init_distributed`` makes it the current device
+(``torch.cuda.set_device``) and passes it as ``device_id`` to
+``init_process_group``, so NCCL binds each rank to its own GPU and object
+collectives and barriers stop landing every rank on ``cuda:0``. A model on
+the CPU under a group with no CPU path (NCCL alone) is refused: its
+collectives could not run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from zerobridge.engine.mesh import carries_host, group_timeout
+from zerobridge.errors import ConfigError
+
+__all__ = ["backend_for", "bind_device", "bound_device", "check_group_device", "init_distributed"]
+
+_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, ``zerobridge run``) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for tensors on ``device``: NCCL on CUDA, gloo on the CPU."""
+    return _BACKENDS.get(device.type, "gloo")
+
+
+def bound_device(device: torch.device, *, local_rank: int) -> torch.device:
+    """The accelerator this rank uses: ``device``'s type at index ``local_rank`` (the CPU stays)."""
+    return device if device.type == "cpu" else torch.device(device.type, local_rank)
+
+
+def bind_device(device: torch.device) -> torch.device:
+    """Make ``LOCAL_RANK``'s accelerator the current one and return it; ``ConfigError`` when
+    the model sits on another one (``model.cuda()`` before ``set_device`` puts every rank on 0)."""
+    if device.type == "cpu":
+        return device
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    bound = bound_device(device, local_rank=local_rank)
+    if device.index is not None and device.index != local_rank:
+        raise ConfigError(f"the parameters are on {device} but LOCAL_RANK={local_rank} binds {bound}: every rank "
+                          f"would share {device}", key="model",
+                          fix="call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before moving the model, or "
+                              "move it with model.to(f\"cuda:{os.environ['LOCAL_RANK']}\")")
+    getattr(torch, device.type).set_device(bound)
+    return bound
+
+
+def check_group_device(device: torch.device) -> None:
+    """``ConfigError`` when the default group cannot carry tensors of ``device`` (a CPU model
+    under NCCL alone)."""
+    if device.type == "cpu" and not carries_host():
+        raise ConfigError(f"the model is on the CPU but the process group's backend "
+                          f"({dist.get_backend_config()}) has no CPU path: its collectives would fail",
+                          key="model", fix="move the model to its GPU before prepare "
+                          "(model.to(f\"cuda:{os.environ['LOCAL_RANK']}\")), or start the group with "
+                          "backend=\"gloo\" (or \"cpu:gloo,cuda:nccl\") to train on the CPU")
+
+
+def init_distributed(model: torch.nn.Module, device: torch.device | None = None) -> None:
+    """Start the default process group unless there is one, then check it fits the model.
+
+    Under a launcher: NCCL bound to ``cuda:$LOCAL_RANK`` (``set_device`` and
+    ``device_id``) when the model is on CUDA, else gloo; under plain python a
+    one-rank gloo group. ``device``: where the model will live (default:
+    where its parameters are).
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if launched() and device.type != "cpu":
+        device = bind_device(device)
+    if not dist.is_initialized():
+        timeout = group_timeout()
+        if launched():
+            bound = None if device.type == "cpu" else device
+            dist.init_process_group(backend_for(device), timeout=timeout, device_id=bound)
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    check_group_device(device)
