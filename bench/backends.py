@@ -188,6 +188,19 @@ def splice(doc: str, block: str, markers: tuple[str, str] = (BEGIN, END)) -> str
     return f"{head}{begin}\n{block}{end}{tail}"
 
 
+def publish(results: dict[str, Any] | None, path: Path, table_of: Any, markers: tuple[str, str]) -> str:
+    """Save ``results`` (when given) to ``path`` atomically, then rewrite the docs table between
+    ``markers`` from what ``path`` holds; return the table."""
+    if results is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        os.replace(tmp, path)
+    block = table_of(json.loads(path.read_text()))
+    DOC.write_text(splice(DOC.read_text(), block, markers))
+    return block
+
+
 def render(results: dict[str, Any]) -> None:
     """Rewrite the docs table and the plot from ``results``."""
     DOC.write_text(splice(DOC.read_text(), table(results)))

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from backends import ROOT, SHAPES, machine, splice
+from backends import ROOT, SHAPES, machine, publish, splice  # splice: tests render the block
 
 from zerobridge.compare.report import Comparison, relative
 from zerobridge.compare.runner import RunOutcome
@@ -123,18 +122,12 @@ def main() -> int:
     parser.add_argument("--render", action="store_true", help="only rewrite the docs table")
     args = parser.parse_args()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    if not args.render:
-        results = {"date": datetime.date.today().isoformat(), "machine": machine(), "steps": args.steps,
-                   "command": "python bench/" + Path(__file__).name + " " + " ".join(sys.argv[1:]),
-                   "eager_vs_compiled": eager_vs_compiled(args.steps),
-                   "native_vs_fsdp": {p: native_vs_fsdp(p, args.steps) for p in args.presets}}
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        tmp = RESULTS.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
-        os.replace(tmp, RESULTS)
-    results = json.loads(RESULTS.read_text())
-    DOC.write_text(splice(DOC.read_text(), table(results), (BEGIN, END)))
-    print(table(results))
+    results = None if args.render else {
+        "date": datetime.date.today().isoformat(), "machine": machine(), "steps": args.steps,
+        "command": "python bench/" + Path(__file__).name + " " + " ".join(sys.argv[1:]),
+        "eager_vs_compiled": eager_vs_compiled(args.steps),
+        "native_vs_fsdp": {p: native_vs_fsdp(p, args.steps) for p in args.presets}}
+    print(publish(results, RESULTS, table, (BEGIN, END)))
     return 0
 
 

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from backends import ROOT, machine, splice
+from backends import ROOT, machine, publish, splice  # splice: tests render the block
 
 from zerobridge.explain import format_bytes
 
@@ -90,16 +88,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--render", action="store_true", help="only rewrite the docs table")
     args = parser.parse_args()
-    if not args.render:
-        results = {"date": datetime.date.today().isoformat(), "machine": machine(),
-                   "command": "python bench/" + Path(__file__).name + " " + " ".join(sys.argv[1:]), **measure()}
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        tmp = RESULTS.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
-        os.replace(tmp, RESULTS)
-    results = json.loads(RESULTS.read_text())
-    DOC.write_text(splice(DOC.read_text(), table(results), (BEGIN, END)))
-    print(table(results))
+    results = None if args.render else {
+        "date": datetime.date.today().isoformat(), "machine": machine(),
+        "command": "python bench/" + Path(__file__).name + " " + " ".join(sys.argv[1:]), **measure()}
+    print(publish(results, RESULTS, table, (BEGIN, END)))
     return 0
 
 

@@ -69,26 +69,16 @@ def test_big_model_table_is_the_committed_results() -> None:
     assert bench.splice(doc, bench.table(results)) == doc, "rerun `python bench/big_model.py --render`"
 
 
-def test_compile_table_is_the_committed_results() -> None:
-    """docs/benchmarks.md carries the table bench/compile.py renders from bench/results/compile.json."""
+@pytest.mark.parametrize("name", ["compile", "engine_scale"])
+def test_benchmark_block_is_the_committed_results(name: str) -> None:
+    """docs/benchmarks.md carries the block bench/NAME.py renders from bench/results/NAME.json."""
     import json
 
-    bench = _bench("compile")
-    results = json.loads((REPO / "bench" / "results" / "compile.json").read_text(encoding="utf-8"))
+    bench = _bench(name)
+    results = json.loads((REPO / "bench" / "results" / f"{name}.json").read_text(encoding="utf-8"))
     doc = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     assert bench.splice(doc, bench.table(results), (bench.BEGIN, bench.END)) == doc, \
-        "rerun `python bench/compile.py --render`"
-
-
-def test_engine_scale_table_is_the_committed_results() -> None:
-    """docs/benchmarks.md carries the table bench/engine_scale.py renders from bench/results/engine_scale.json."""
-    import json
-
-    bench = _bench("engine_scale")
-    results = json.loads((REPO / "bench" / "results" / "engine_scale.json").read_text(encoding="utf-8"))
-    doc = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    assert bench.splice(doc, bench.table(results), (bench.BEGIN, bench.END)) == doc, \
-        "rerun `python bench/engine_scale.py --render`"
+        f"rerun `python bench/{name}.py --render`"
 
 
 def test_benchmark_table_is_the_committed_results() -> None:
