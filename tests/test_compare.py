@@ -308,6 +308,55 @@ def test_bf16_against_fp32_diverges_and_names_run_and_step(tmp_path: Path,
                  "--tolerance", "2e-2", "--norm-tolerance", "5e-2"]) == 0
 
 
+def test_bf16_runs_are_judged_by_their_calibrated_bounds_fp32_by_the_fixed_ones() -> None:
+    from zerobridge.compare.tolerance import calibrated
+    from zerobridge.spec import PrecisionSpec
+
+    def bf16(run: RunOutcome) -> RunOutcome:
+        spec = run.planned.spec.model_copy(update={"precision": PrecisionSpec(param_dtype="bf16")})
+        run.planned = Planned(run.planned.name, run.planned.backend, run.planned.label, 3, spec, False)
+        return run
+
+    drift = calibrated(loss_deviation=[0.0, 1e-5, 3e-5], norm_deviation=[0.0] * 3, dtype="bf16")
+    ref, near = bf16(outcome("native/a", [1.0, 1.0, 1.0])), bf16(outcome("fsdp/a", [1.0, 1.00005, 1.0002]))
+    result = comparison(ref, near)
+    result.derived, result.tolerances["bf16"] = (True, True), drift
+    assert [result.bound(near, "loss", s) for s in range(3)] == drift.loss
+    assert result.ok, result.verdict()
+    assert "bf16: tolerance 1.0e-05 to 3.0e-04 on losses" in result.verdict()
+    far = bf16(outcome("fsdp/b", [1.0, 1.0005, 1.0]))
+    assert comparison(ref, far).divergences[0].step == 1, "fixed fp32 bounds when none were derived"
+    result = comparison(ref, far)
+    result.derived, result.tolerances["bf16"] = (True, True), drift
+    assert result.divergences[0].step == 1 and result.divergences[0].tolerance == pytest.approx(1e-4)
+    fp32 = outcome("native/stage3", [1.0, 1.00005, 1.0])  # fp32 against fp32: the fixed 1e-5 still holds
+    result = comparison(outcome("native/ref", [1.0, 1.0, 1.0]), fp32)
+    result.derived, result.tolerances["bf16"] = (True, True), drift
+    assert result.divergences[0].step == 1 and result.divergences[0].tolerance == pytest.approx(1e-5)
+
+
+@pytest.mark.distributed
+def test_bf16_backends_agree_within_derived_bounds_and_a_dropped_reduction_fails_where_it_breaks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zerobridge.testing.workloads import BROKEN_STEP
+
+    config = tmp_path / "bf16z0.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}))
+    out = tmp_path / "r.json"
+    assert main(["compare", "--config", str(config), "--backends", "native", "deepspeed", "--steps", "8",
+                 "--json", str(out)]) == 0, capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["max_loss_deviation"] > 1e-5 or data["max_grad_norm_deviation"] > 1e-4, \
+        "DeepSpeed's bf16 runs leave the fp32 bounds: the derived ones are what let them pass"
+    assert "one-process bf16 rerun" in data["tolerances"]["bf16"]["source"]
+    assert "bf16: tolerance" in capsys.readouterr().out
+    code = main(["compare", "--config", str(config), "--backends", "fsdp", "native", "--steps", "6",
+                 "--model", "zerobridge.testing.workloads:dropped_reduction", "--json", str(out)])
+    assert code == 1
+    broken = json.loads(out.read_text())["divergences"]
+    assert [(d["run"], d["step"]) for d in broken] == [("native/bf16z0", BROKEN_STEP)]
+
+
 @pytest.mark.distributed
 def test_failed_run_is_reported_with_its_output_and_the_others_still_run(
         capsys: pytest.CaptureFixture[str]) -> None:

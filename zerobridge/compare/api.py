@@ -20,6 +20,7 @@ from pathlib import Path
 from zerobridge.backends.base import BACKENDS
 from zerobridge.compare.report import Comparison
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
+from zerobridge.compare.tolerance import LOSS_FLOOR, NORM_FLOOR, calibrated
 from zerobridge.compare.workload import BUILTIN, resolve_model
 from zerobridge.errors import ConfigError
 from zerobridge.spec import ShardingSpec
@@ -29,8 +30,8 @@ __all__ = ["Plan", "compare", "plan", "run_plan"]
 STAGES = (0, 1, 2, 3)
 
 
-def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: int, tolerance: float,
-           norm_tolerance: float) -> None:
+def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: int, tolerance: float | None,
+           norm_tolerance: float | None) -> None:
     for stage in stages:
         if stage not in STAGES:
             raise ConfigError(f"--stages {stage}: a ZeRO stage is 0, 1, 2 or 3", key="--stages")
@@ -45,7 +46,7 @@ def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: in
     if steps < 1:
         raise ConfigError(f"--steps {steps}: need at least one step", key="--steps")
     for flag, value in (("--tolerance", tolerance), ("--norm-tolerance", norm_tolerance)):
-        if not value >= 0:
+        if value is not None and not value >= 0:
             raise ConfigError(f"{flag} {value}: must be a non-negative number", key=flag)
 
 
@@ -78,11 +79,13 @@ class Plan:
 
 def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
          backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
-         global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
-         norm_tolerance: float = 1e-4, seed: int = 0, exact_only: bool = False, compile: bool = False) -> Plan:
+         global_batch: int | None = None, seq_len: int | None = None, tolerance: float | None = None,
+         norm_tolerance: float | None = None, seed: int = 0, exact_only: bool = False, compile: bool = False) -> Plan:
     """Check the inputs, build the workload once (in this process) and plan the runs. What a
     backend can only approximate runs in its closest form (``Planned.approximations``)
-    unless ``exact_only``, which skips it. ``compile``: every run under ``torch.compile``."""
+    unless ``exact_only``, which skips it. ``compile``: every run under ``torch.compile``.
+    ``tolerance`` / ``norm_tolerance``: fixed relative bounds for every run; ``None``: 1e-5 and
+    1e-4 for fp32 runs, and for bf16/fp16 runs bounds calibrated after them (``tolerance.py``)."""
     chosen_stages = list(STAGES if stages is None and not configs else stages or [])
     _check(chosen_stages, list(backends), nproc, steps, tolerance, norm_tolerance)
     work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
@@ -96,8 +99,10 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
     if not runs:
         raise ConfigError("nothing to compare: every combination was skipped", key="--backends",
                           fix="; ".join(f"{s.backend}/{s.label}: {s.reason}" for s in skipped) or None)
-    comparison = Comparison(runs=[], skipped=skipped, tolerance=tolerance, norm_tolerance=norm_tolerance,
-                            model=model, params=params, world_size=nproc, steps=steps, compiled=compile)
+    comparison = Comparison(runs=[], skipped=skipped, tolerance=LOSS_FLOOR if tolerance is None else tolerance,
+                            norm_tolerance=NORM_FLOOR if norm_tolerance is None else norm_tolerance,
+                            model=model, params=params, world_size=nproc, steps=steps, compiled=compile,
+                            derived=(tolerance is None, norm_tolerance is None))
     return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, exact_only)
 
 
@@ -116,8 +121,8 @@ def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
 
 def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
             backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
-            global_batch: int | None = None, seq_len: int | None = None, tolerance: float = 1e-5,
-            norm_tolerance: float = 1e-4, clip: float | None = 1.0, seed: int = 0, exact_only: bool = False,
+            global_batch: int | None = None, seq_len: int | None = None, tolerance: float | None = None,
+            norm_tolerance: float | None = None, clip: float | None = 1.0, seed: int = 0, exact_only: bool = False,
             compile: bool = False, timeout_s: float = 900.0,
             progress: Callable[[int, int, RunOutcome], None] | None = None) -> Comparison:
     """Train ``model`` for ``steps`` steps on every stage (default 0-3 when no ``configs``) and
@@ -145,4 +150,30 @@ def run_plan(planned: Plan, *, clip: float | None = 1.0, timeout_s: float = 900.
                               seq_len=planned.seq_len, world_size=comparison.world_size, steps=comparison.steps,
                               seed=planned.seed, clip=clip, allow_approximate=not planned.exact_only,
                               timeout_s=timeout_s, progress=report)
+    if any(comparison.derived):
+        _calibrate(planned, comparison, clip=clip, timeout_s=timeout_s)
     return comparison
+
+
+def _calibrate(planned: Plan, comparison: Comparison, *, clip: float | None, timeout_s: float) -> None:
+    """For each 16-bit compute dtype run: its first finished run's spec once more in one process
+    (stage 0: every reduction in another order); its drift from that run sets the bounds."""
+    from zerobridge.compare.report import compute_dtype, relative
+    from zerobridge.spec import StrategySpec
+
+    for dtype in ("bf16", "fp16"):
+        first = next((r for r in comparison.runs if r.error is None and compute_dtype(r.planned.spec) == dtype), None)
+        if first is None:
+            continue
+        spec = StrategySpec(precision=first.planned.spec.precision, batch=first.planned.spec.batch)
+        rerun = Planned(f"calibration/{dtype}", "native", f"calibration-{dtype}", 0, spec, by_stage=False)
+        (outcome,) = execute([rerun], model=planned.model, global_batch=planned.global_batch,
+                             seq_len=planned.seq_len, world_size=1, steps=comparison.steps, seed=planned.seed,
+                             clip=clip, timeout_s=timeout_s)
+        if outcome.error is not None:
+            raise ConfigError(f"the one-process {dtype} rerun that calibrates the tolerances failed: "
+                              f"{outcome.error}", key="--tolerance",
+                              fix="pass --tolerance and --norm-tolerance to judge with fixed bounds")
+        comparison.tolerances[dtype] = calibrated(
+            loss_deviation=[relative(a, b) for a, b in zip(outcome.losses, first.losses)],
+            norm_deviation=[relative(a, b) for a, b in zip(outcome.grad_norms, first.grad_norms)], dtype=dtype)

@@ -48,9 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="tiny-gpt, tiny-gpt:20m, tiny-gpt:100m or pkg.module:factory returning a Workload")
     c.add_argument("--global-batch", type=int, help="rows per step for the built-in model (default 8)")
     c.add_argument("--seq-len", type=int, help="tokens per row for the built-in model (default 16)")
-    c.add_argument("--tolerance", type=float, default=1e-5, help="relative tolerance on each step's loss (1e-5)")
-    c.add_argument("--norm-tolerance", type=float, default=1e-4,
-                   help="relative tolerance on each step's global grad norm (1e-4)")
+    c.add_argument("--tolerance", type=float, default=None,
+                   help="relative tolerance on each step's loss for every run (default: 1e-5 in fp32; bf16/fp16 "
+                        "runs: derived from a one-process rerun in their dtype)")
+    c.add_argument("--norm-tolerance", type=float, default=None,
+                   help="relative tolerance on each step's global grad norm for every run (default: 1e-4 in fp32; "
+                        "bf16/fp16 runs: derived as for --tolerance)")
     c.add_argument("--clip", type=float, default=1.0, help="clip the global grad norm to this (0: no clipping)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--exact-only", action="store_true",

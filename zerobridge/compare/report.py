@@ -18,10 +18,11 @@ same way. A comparison is ``ok`` when no run diverged and none failed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zerobridge.compare.runner import RunOutcome, Skipped
+from zerobridge.compare.tolerance import Tolerance
 from zerobridge.explain import format_bytes
 
 __all__ = ["Comparison", "Divergence", "display_name", "relative"]
@@ -60,7 +61,13 @@ class Divergence:
     def describe(self, reference_name: str) -> str:
         """One line naming the run, the step and the numbers."""
         return (f"{self.run} diverges from {reference_name} at step {self.step}: {self.metric} {self.value:.8g} vs "
-                f"{self.reference:.8g} (relative {self.deviation:.2e} > tolerance {self.tolerance:g})")
+                f"{self.reference:.8g} (relative {self.deviation:.2e} > tolerance {self.tolerance:.2g})")
+
+
+def compute_dtype(spec: Any) -> str:
+    """``fp32``, ``bf16`` or ``fp16``: what a run's forward computes in."""
+    value = str(getattr(spec.precision.param_dtype, "value", spec.precision.param_dtype))
+    return value if value in ("bf16", "fp16") else "fp32"
 
 
 def _finite(x: float) -> float | None:
@@ -83,6 +90,27 @@ class Comparison:
     steps: int
     compiled: bool = False
     """Every run was under ``torch.compile`` (``--compile``)."""
+    derived: tuple[bool, bool] = (False, False)
+    """Whether the loss and the grad-norm bounds of 16-bit runs come from ``tolerances`` (no
+    ``--tolerance`` / ``--norm-tolerance`` given); fp32 runs keep the two numbers above."""
+    tolerances: dict[str, Tolerance] = field(default_factory=dict)
+    """Per compute dtype (``bf16``, ``fp16``): the bounds calibrated after the runs."""
+
+    def bound(self, run: RunOutcome, metric: str, step: int) -> float:
+        """How far ``run`` may be from the reference at ``step``: the looser of the bounds of
+        the two runs' compute dtypes."""
+        fixed = self.tolerance if metric == "loss" else self.norm_tolerance
+        if not self.derived[0 if metric == "loss" else 1]:
+            return fixed
+        dtypes = {compute_dtype(run.planned.spec)} | ({compute_dtype(self.reference.planned.spec)}
+                                                      if self.reference else set())
+        return max([fixed] + [self.tolerances[d].at(metric, step) for d in dtypes if d in self.tolerances])
+
+    def tolerance_lines(self) -> list[str]:
+        """How the runs were judged, one line per compute dtype."""
+        lines = [f"fp32: tolerance {self.tolerance:g} on losses, {self.norm_tolerance:g} on grad norms"
+                 + ("" if all(self.derived) else " (given)")]
+        return lines + [f"{dtype}: {t.describe()}" for dtype, t in self.tolerances.items()]
 
     @property
     def reference(self) -> RunOutcome | None:
@@ -103,8 +131,9 @@ class Comparison:
         if ref is None or run.error is not None:
             return None
         for step in range(len(ref.losses)):
-            for metric, ours, theirs, bound in (("loss", run.losses, ref.losses, self.tolerance),
-                                                ("grad_norm", run.grad_norms, ref.grad_norms, self.norm_tolerance)):
+            for metric, ours, theirs in (("loss", run.losses, ref.losses),
+                                         ("grad_norm", run.grad_norms, ref.grad_norms)):
+                bound = self.bound(run, metric, step)
                 if step >= len(ours):
                     return Divergence(run.planned.name, step, metric, math.nan, theirs[step], math.inf, bound)
                 deviation = relative(ours[step], theirs[step])
@@ -138,9 +167,10 @@ class Comparison:
         lines += [d.describe(ref.planned.name if ref else "?") for d in self.divergences]
         if lines:
             return "\n".join(["zerobridge compare: runs disagree", *lines])
+        judged = "; ".join(self.tolerance_lines())
         return (f"OK: {len(self.runs)} run(s) agree with {ref.planned.name if ref else '-'} over {self.steps} "
-                f"steps: max loss deviation {self.max_deviation():.2e} (tolerance {self.tolerance:g}), max grad-norm "
-                f"deviation {self.max_deviation('grad_norm'):.2e} (tolerance {self.norm_tolerance:g})")
+                f"steps: max loss deviation {self.max_deviation():.2e}, max grad-norm deviation "
+                f"{self.max_deviation('grad_norm'):.2e} ({judged})")
 
     # --- JSON -------------------------------------------------------------------------------------------
 
@@ -177,6 +207,8 @@ class Comparison:
             "ok": self.ok, "max_loss_deviation": _finite(self.max_deviation()),
             "max_grad_norm_deviation": _finite(self.max_deviation("grad_norm")),
             "tolerance": self.tolerance, "norm_tolerance": self.norm_tolerance, "reference": ref.planned.name if ref else None,
+            "tolerances": {d: {"loss": t.loss, "grad_norm": t.grad_norm, "source": t.source}
+                           for d, t in self.tolerances.items()},
             "model": self.model, "params": self.params, "world_size": self.world_size, "steps": self.steps,
             "compiled": self.compiled, "runs": [self.run_json(r) for r in self.runs],
             "approximated": [r.planned.name for r in self.runs if r.planned.approximations],
@@ -261,7 +293,8 @@ class Comparison:
         out = [f"## zerobridge compare {mark}", "",
                f"`{self.model}`, {self.params:,} parameters, world size {self.world_size}, {self.steps} steps, "
                + ("compiled, " if self.compiled else "") +
-               f"relative tolerance {self.tolerance:g} on losses and {self.norm_tolerance:g} on grad norms (against `{self.reference.planned.name if self.reference else '-'}`)",
+               f"judged against `{self.reference.planned.name if self.reference else '-'}`: "
+               + "; ".join(self.tolerance_lines()),
                "", _markdown_table(self._HEAD, self._rows()), ""]
         if self.approximated():
             out += [f"- {line.removeprefix('~ ')}" for line in self.approximated()] + [""]

@@ -9,7 +9,11 @@
 sharding engines (uneven sizes, a tied weight, a frozen and an unused
 parameter) through a user-supplied factory. ``faulty_workload`` is the same,
 except that its loss raises on rank 1 under the FSDP2 backend: a run that
-fails half way.
+fails half way. ``dropped_reduction`` is the built-in tiny GPT, except that
+on rank 1 of a native-engine run every gradient bucket from step
+``BROKEN_STEP`` on is reduced as zeros: the collectives still match (nothing
+hangs) but one rank's share of the batch stops counting, a bug
+``zerobridge compare`` must catch at that step, in bf16 too.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobridge.compare.workload import Workload
+from zerobridge.compare.workload import Workload, tiny_gpt_workload
 from zerobridge.testing.parity import ParityNet, batch
 
-__all__ = ["faulty_workload", "parity_workload"]
+__all__ = ["BROKEN_STEP", "dropped_reduction", "faulty_workload", "parity_workload"]
 
 _ROWS = 8
 
@@ -45,3 +49,28 @@ def faulty_workload(seed: int) -> Workload:
     work = parity_workload(seed)
     return Workload(model=work.model, batch=work.batch, global_batch=work.global_batch, loss=_faulty_loss,
                     optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+BROKEN_STEP = 3
+
+
+def dropped_reduction(seed: int) -> Workload:
+    """The tiny GPT whose native-engine rank 1 drops its gradients from ``BROKEN_STEP`` on."""
+    from zerobridge.engine.flat_group import FlatGroup
+
+    work = tiny_gpt_workload(seed)
+    step = [0]
+    if dist.is_initialized() and dist.get_rank() == 1:
+        original = FlatGroup.take_grad
+
+        def take_grad(self: FlatGroup, b: int) -> torch.Tensor | None:
+            grad = original(self, b)
+            return torch.zeros_like(grad) if grad is not None and step[0] >= BROKEN_STEP else grad
+
+        FlatGroup.take_grad = take_grad  # type: ignore[method-assign]
+
+    def batch(at: int) -> tuple[torch.Tensor, ...]:
+        step[0] = at
+        return work.batch(at)
+    return Workload(model=work.model, batch=batch, global_batch=work.global_batch, loss=work.loss,
+                    optimizer=work.optimizer)
