@@ -99,6 +99,17 @@ def test_json_has_the_documented_fields() -> None:
     assert data["skipped"] == [{"backend": "fsdp", "stage": 1, "label": "stage1", "reason": "ZeRO-1 has no FSDP form"}]
 
 
+def test_the_independent_memory_measure_is_shown_beside_the_engines_and_a_mismatch_marked() -> None:
+    agree, differ = outcome("native/stage3", [3.0, 2.0, 1.0]), outcome("fsdp/stage3", [3.0, 2.0, 1.0])
+    agree.live_bytes = {"params": 100, "grads": 100, "optimizer": 200, "other": 7}  # the engine said 100/100/200
+    differ.live_bytes = {"params": 100, "grads": 50, "optimizer": 150, "other": 100}
+    text = comparison(agree, differ).render()
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("native/", "fsdp/"))}
+    assert "≠" not in rows["native/stage3"] and "≠ 25%" in rows["fsdp/stage3"]
+    runs = comparison(agree, differ).to_json()["runs"]
+    assert [r["live_mismatch"] for r in runs] == [0.0, 0.25] and runs[1]["live_bytes"]["other"] == 100
+
+
 def test_terminal_and_markdown_tables() -> None:
     c = comparison(outcome("native/stage3", [3.0, 2.0, 1.0]), outcome("fsdp/stage3", [3.0, 2.0, 1.0]))
     text = c.render()
@@ -279,6 +290,14 @@ def test_compare_agrees_across_backends_and_matches_one_process(tmp_path: Path,
     assert 0 < held["optimizer"] - 8 * 118_400 // 2 <= 4 * 40
     # ... and moves parameters twice (forward, backward) and gradients once per step.
     assert native3["comm_bytes"]["all_gather"] == 2 * native3["comm_bytes"]["reduce_scatter"] == 4 * 118_400
+    # The independent measure (live storages by role, the same code for every engine) agrees with the
+    # engines' own accounting where roles are plain tensors, and is there for DeepSpeed too.
+    for run in data["runs"]:
+        assert set(run["live_bytes"]) == {"params", "grads", "optimizer", "other"}, run["name"]
+    for name in ("native/stage3", "fsdp/stage3", "native/stage1"):
+        run = next(r for r in data["runs"] if r["name"] == name)
+        assert run["live_mismatch"] == 0.0 and run["live_bytes"]["grads"] == run["model_state_bytes"]["grads"]
+    assert "live (gc)" in captured.out
     # FSDP2's ZeRO-1 form shards parameters at rest too: less than the ZeRO-2 formula it is measured against.
     fsdp1 = data["runs"][1]
     assert fsdp1["formula_stage"] == 2 and fsdp1["formula_model_state_bytes"] == 4 * 118_400 + 12 * 118_400 // 2

@@ -228,7 +228,7 @@ def solo_group() -> Iterator[None]:
     "zerobridge.testing.deferred", "zerobridge.testing.big_model", "zerobridge.engine.compiling",
     "zerobridge.spec.compilation", "zerobridge.engine.schedule", "zerobridge.engine.boundary",
     "zerobridge.testing.lora", "zerobridge.testing.many_units", "zerobridge.distributed",
-    "zerobridge.compare.tolerance", "zerobridge.testing.workloads",
+    "zerobridge.compare.tolerance", "zerobridge.testing.workloads", "zerobridge.compare.memory",
 ])
 def test_module_examples_run(name: str, solo_group: None) -> None:
     result = doctest.testmod(importlib.import_module(name))

@@ -64,6 +64,28 @@ class Divergence:
                 f"{self.reference:.8g} (relative {self.deviation:.2e} > tolerance {self.tolerance:.2g})")
 
 
+MISMATCH = 0.05
+"""Relative difference between an engine's own model-state total and the live storages it holds
+(params + grads + optimizer) beyond which the table marks the run ``≠``."""
+
+
+def live_mismatch(run: RunOutcome) -> float | None:
+    """How far the engine's own model-state total is from the independently measured one."""
+    own = sum(run.model_state_bytes.values())
+    live = sum(v for k, v in run.live_bytes.items() if k != "other")
+    return None if not run.live_bytes or not own else abs(own - live) / own
+
+
+def live_cell(run: RunOutcome) -> str:
+    """The independent measurement beside the engine's: ``≠`` when they disagree by more than 5%."""
+    if not run.live_bytes:
+        return "-"
+    live, off = run.live_bytes, live_mismatch(run)
+    mark = f" ≠ {off:.0%}" if off is not None and off > MISMATCH else ""
+    return (f"{format_bytes(live['params'])} / {format_bytes(live['grads'])} / {format_bytes(live['optimizer'])} "
+            f"+ {format_bytes(live['other'])}{mark}")
+
+
 def compute_dtype(spec: Any) -> str:
     """``fp32``, ``bf16`` or ``fp16``: what a run's forward computes in."""
     value = str(getattr(spec.precision.param_dtype, "value", spec.precision.param_dtype))
@@ -186,7 +208,8 @@ class Comparison:
             "loss_deviation": [_finite(x) for x in loss_dev],
             "max_loss_deviation": _finite(max(loss_dev, default=0.0)),
             "max_grad_norm_deviation": _finite(max(norm_dev, default=0.0)),
-            "model_state_bytes": dict(run.model_state_bytes),
+            "model_state_bytes": dict(run.model_state_bytes), "live_bytes": dict(run.live_bytes),
+            "live_mismatch": live_mismatch(run),
             "formula_model_state_bytes": run.formula_model_state_bytes,
             "tier_bytes": dict(run.tier_bytes),
             "peak_rss_bytes": run.peak_rss_bytes, "steps_peak_rss_bytes": run.steps_peak_rss_bytes,
@@ -227,7 +250,7 @@ class Comparison:
         for run in self.runs:
             name = display_name(run)
             if run.error is not None:
-                rows.append([name, str(run.planned.stage), "failed", "", "", "", "", "", "", ""])
+                rows.append([name, str(run.planned.stage), "failed", "", "", "", "", "", "", "", ""])
                 continue
             state = run.model_state_bytes
             total = sum(state.values())
@@ -241,13 +264,15 @@ class Comparison:
                          (f"{total / formula:.3f}" + (f" (ZeRO-{run.planned.formula_stage})"
                                                       if run.planned.formula_stage is not None else ""))
                          if formula else "-",
+                         live_cell(run),
                          format_bytes(run.peak_rss_bytes) + (f" / {format_bytes(run.steps_peak_rss_bytes)}"
                                                              if run.steps_peak_rss_bytes is not None else ""),
                          comm or "-", f"{run.step_time_s * 1e3:.1f}"])
         return rows
 
     _HEAD = ["run", "stage", "final loss", "loss dev", "norm dev", "state/rank: params / grads / optim",
-             "vs formula", "peak RSS: run / steps", "comm/step/rank", "step ms"]
+             "vs formula", "live (gc): params / grads / optim + other", "peak RSS: run / steps", "comm/step/rank",
+             "step ms"]
 
     def _steps(self) -> list[list[str]]:
         ref = self.reference

@@ -83,7 +83,10 @@ class RunOutcome:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     """Bytes per collective kind per step: the median over the measured steps, the largest rank's."""
     model_state_bytes: dict[str, int] = field(default_factory=dict)
-    """``params``, ``grads``, ``optimizer``: the largest rank's."""
+    """``params``, ``grads``, ``optimizer``: the largest rank's, as the engine reports them."""
+    live_bytes: dict[str, int] = field(default_factory=dict)
+    """The same measured independently for every engine (``compare.memory``): live storages by role,
+    ``params``, ``grads``, ``optimizer``, ``other``, the largest rank's."""
     tier_bytes: dict[str, int] = field(default_factory=dict)
     formula_model_state_bytes: int | None = None
     """What ``zerobridge explain`` says a rank holds (Adam-type optimizers only)."""
@@ -169,6 +172,7 @@ def _merge(planned: Planned, records: list[RankRecord], world_size: int) -> RunO
         steps_peak_rss_bytes=None if any(r.steps_peak_rss_bytes is None for r in records)
         else max(r.steps_peak_rss_bytes or 0 for r in records),
         baseline_rss_bytes=max(r.baseline_rss_bytes for r in records),
+        live_bytes={k: max(r.live_bytes.get(k, 0) for r in records) for k in first.live_bytes},
         approximations=first.approximations)
 
 

@@ -61,6 +61,9 @@ class RankRecord:
     """This process's resident set before the model was built (imports, the process group)."""
     approximations: list[dict[str, str]] = field(default_factory=list)
     """What the backend ran approximately (``allow_approximate``)."""
+    live_bytes: dict[str, int] = field(default_factory=dict)
+    """The same moment of the last step measured independently of the engine: live tensor storages
+    by role (``zerobridge.compare.memory``: ``params``, ``grads``, ``optimizer``, ``other``)."""
 
 
 def _status_kib(key: str) -> int | None:
@@ -139,6 +142,7 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
     """Train ``steps`` steps of ``model`` (a ``--model`` reference) on ``backend``; ``choice`` is
     ``{"stage": N}`` or ``{"config": spec}``, passed on to ``zerobridge.prepare``."""
     import zerobridge
+    from zerobridge.compare.memory import live_by_role
     from zerobridge.compare.workload import resolve_model
     from zerobridge.models import shard
     from zerobridge.testing.parity import run_device
@@ -166,6 +170,8 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
         norm = zerobridge.clip_grad_norm_(net, max_norm)
         spent = time.perf_counter() - start
         before = zerobridge.stats(net)  # gradients at their largest: backward done, step not yet taken
+        if step == steps - 1 and step > 0:  # optimizer state exists from the step before
+            record.live_bytes = live_by_role(net, optimizer)
         start = time.perf_counter()
         optimizer.step()
         spent += time.perf_counter() - start

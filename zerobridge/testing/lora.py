@@ -15,13 +15,14 @@ alive just before backward.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from zerobridge.compare.memory import live_storages
 
 __all__ = ["LoraBlock", "LoraNet", "live_tensor_bytes", "run_lora", "run_lora_reference"]
 
@@ -65,18 +66,7 @@ def _batch(step: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor
 
 def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage the garbage collector can reach."""
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta:
-            continue
-        try:
-            storage = obj.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a wrapper without storage of its own (DTensor): its local tensor is counted
-            continue
-        if size:
-            seen[key] = max(seen.get(key, 0), size)
-    return sum(seen.values())
+    return sum(live_storages().values())
 
 
 def run_lora_reference(*, steps: int = 4, blocks: int = 8, width: int = 256, rows: int = 8) -> list[float]:
