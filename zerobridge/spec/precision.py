@@ -3,7 +3,9 @@ what gradients travel and accumulate in, and how fp16 loss scaling behaves.
 
 DeepSpeed keeps fp32 master weights apart from 16-bit compute weights; FSDP
 steps the parameters in whatever dtype they were loaded with. Both are a value
-of ``master_dtype`` here.
+of ``master_dtype`` here. Where the 16-bit copy lives when the master is fp32
+is ``compute_copy``: stored beside the master (DeepSpeed), or made from the
+fp32 shard at each gather and freed with it (FSDP).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from pydantic import Field, model_validator
 
 from zerobridge.spec.base import Auto, DType, SpecModel, is_auto
 
-__all__ = ["DynamicLossScale", "LossScaling", "NoLossScale", "PrecisionSpec", "StaticLossScale"]
+__all__ = ["ComputeCopy", "DynamicLossScale", "LossScaling", "NoLossScale", "PrecisionSpec", "StaticLossScale"]
+
+ComputeCopy = Literal["stored", "gathered"]
+"""Where the 16-bit compute copy of fp32-master parameters lives (``PrecisionSpec.compute_copy``)."""
 
 
 class NoLossScale(SpecModel):
@@ -78,6 +83,15 @@ class PrecisionSpec(SpecModel):
     accumulate_dtype: DType | Auto = DType.FP32
     """Dtype gradients are accumulated in across micro-batches. When not given:
     the compute dtype (DeepSpeed's default)."""
+    compute_copy: ComputeCopy = "stored"
+    """With a 16-bit ``param_dtype`` and an fp32 ``master_dtype``: where the
+    16-bit copy of the parameters lives. ``stored`` (DeepSpeed): kept at rest,
+    sharded as the parameters are, beside a separate fp32 master sharded with
+    the optimizer state; gradients are kept in ``accumulate_dtype`` and handed
+    to the optimizer in fp32 only at the step. ``gathered`` (FSDP): the fp32
+    parameters are the master, sharded as the parameters are, and the 16-bit
+    copy is cast from them when a unit is gathered and freed with it. Without
+    mixed precision there is one copy and the field is ``stored``."""
     buffer_dtype: DType | None = None
     """Dtype of module buffers; ``None`` keeps the dtype they were created in."""
     loss_scaling: LossScaling = NoLossScale()
@@ -99,6 +113,9 @@ class PrecisionSpec(SpecModel):
                     data[name] = compute
             if not is_auto(compute):
                 data.pop("auto_choices", None)
+            if compute not in ("auto", DType.BF16, DType.FP16, "bf16", "fp16") or \
+                    data.get("master_dtype", DType.FP32) not in (DType.FP32, "fp32"):
+                data.pop("compute_copy", None)  # one copy: the field has no meaning
         return data
 
     @model_validator(mode="after")
