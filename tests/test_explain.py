@@ -70,6 +70,23 @@ def test_per_state_breakdown_mixed_stage1() -> None:
     assert e.formula == "4P + 12P/N"
 
 
+def test_gathered_layout_counts_the_fp32_shard_as_the_master() -> None:
+    """FSDP's layout at stage 3 with fp32 gradients: 4P/N parameters (the master), 4P/N
+    gradients, 8P/N moments; DeepSpeed's stores 2 + 2 + 12 with 16-bit gradients."""
+    fsdp = PrecisionSpec(param_dtype="bf16", master_dtype="fp32", reduce_dtype="fp32", accumulate_dtype="fp32",
+                         compute_copy="gathered")
+    e = explain(make(3, fsdp), params=1_000_000, world_size=4)
+    assert e.bytes_per_state() == {"parameters": 1_000_000, "gradients": 1_000_000, "optimizer_state": 2_000_000}
+    assert e.formula == "16P/N"
+    assert any("only while it is gathered" in n for n in e.notes)
+    stored = explain(make(3), params=1_000_000, world_size=4)
+    assert stored.bytes_per_state() == {"parameters": 500_000, "gradients": 500_000, "optimizer_state": 3_000_000}
+    assert any("cast to fp32 for the optimizer at the step" in n for n in stored.notes)
+    replicated = explain(make(1, fsdp), params=1_000_000, world_size=4)  # the engine stores it there
+    assert replicated.bytes_per_state()["parameters"] == 2_000_000
+    assert any("parameters are replicated at rest" in n for n in replicated.notes)
+
+
 @pytest.mark.parametrize("stage,expected,text,formula", [
     (0, 120_000_000_000, "120 GB", "16P"),
     (1, 31_406_250_000, "31.4 GB", "4P + 12P/N"),

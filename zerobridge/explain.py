@@ -239,10 +239,18 @@ def explain(
 
     opt = spec.offload.optimizer
     opt_tier = TIERS[opt.device] if opt.enabled else None
-    add("parameters", pdt.num_bytes, s.parameters.sharded_at_rest, TIERS[spec.offload.parameters.device])
+    mixed = mdt is not pdt
+    # FSDP's layout where the engine runs it: the sharded fp32 parameters are the master.
+    gathered = (mixed and prec.compute_copy == "gathered" and s.parameters.sharded_at_rest
+                and not opt.enabled and not spec.offload.parameters.enabled)
+    if mixed and prec.compute_copy == "gathered" and not gathered:
+        why = "parameters are replicated at rest" if not s.parameters.sharded_at_rest else "an offload tier is on"
+        notes.append(f"compute_copy 'gathered': {why}, so the 16-bit copy is stored beside the fp32 master")
+    add("parameters", (mdt if gathered else pdt).num_bytes, s.parameters.sharded_at_rest,
+        TIERS[spec.offload.parameters.device])
     add("gradients", adt.num_bytes, s.gradients, "accelerator",
         offload_tier=opt_tier if s.gradients else None, ratio=opt.ratio)
-    master = mdt.num_bytes if mdt is not pdt else 0
+    master = mdt.num_bytes if mixed and not gathered else 0
     add("optimizer_state", master + MOMENTS[optimizer] * mdt.num_bytes, s.optimizer_state, "accelerator",
         offload_tier=opt_tier, ratio=opt.ratio)
     k = None
@@ -262,9 +270,12 @@ def explain(
             notes.append("optimizer offload: full gradients stay on the accelerator; the shard copied to the "
                          "host for the step is not counted")
         notes.append("host-accelerator transfers of offloaded states are not counted as traffic")
-    if master:  # a separate fp32 master copy next to 16-bit compute weights
-        notes.append("ZeRO paper accounting: no fp32 gradient copy (DeepSpeed's estimator adds 4 bytes per "
-                     "parameter of fp32 gradient partitions)")
+    if gathered:
+        notes.append(f"compute_copy 'gathered': the {pdt.value} copy of a unit exists only while it is gathered")
+    if adt is not mdt and not opt.enabled:
+        notes.append(f"{adt.value} gradients are cast to {mdt.value} for the optimizer at the step and dropped "
+                     "after it: not counted (DeepSpeed's estimator adds 4 bytes per parameter of fp32 "
+                     "gradient partitions)")
     threshold = spec.communication.persistence_threshold
     if s.parameters.sharded_at_rest and isinstance(threshold, int) and threshold > 0:
         notes.append(f"parameters below persistence_threshold={threshold} stay unsharded: not modeled")

@@ -24,6 +24,7 @@ from torch import nn
 
 from zerobridge.engine import master
 from zerobridge.engine.flat_group import FlatGroup
+from zerobridge.engine.handing import drop_grads
 
 if TYPE_CHECKING:
     from zerobridge.engine.engine import Engine
@@ -114,6 +115,7 @@ def refresh_compute(engine: Engine) -> None:
     pending = []
     for group in engine.groups:
         master.push_master(group)
+        drop_grads(group)
         pending.extend(work for _, work in group.after_step())
     for work in pending:
         work.wait()

@@ -44,6 +44,7 @@ from zerobridge.engine.boundary import after_inputs_backward, cast_floats, check
 from zerobridge.engine.collectives import CommStats
 from zerobridge.engine.flat_group import FlatGroup, Reduction
 from zerobridge.engine.grouping import build_groups
+from zerobridge.engine.handing import attach_grads
 from zerobridge.engine.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import open_spaces
@@ -106,12 +107,8 @@ class Engine:
                     leaf.register_post_accumulate_grad_hook(self._bucket_hook(group, b))
         self._install_hooks()
         # Runtime state.
-        self.in_backward = False
-        self.no_sync_depth = 0
-        self.micro_in_window = 0
-        self.window_open = False
-        self.reduce_now = False
-        self.boundary = False
+        self.in_backward = self.window_open = self.reduce_now = self.boundary = False
+        self.no_sync_depth = self.micro_in_window = 0
         self.ready: set[tuple[int, int]] = set()
         self.cursor = 0
         self.pending: list[Reduction] = []
@@ -125,8 +122,9 @@ class Engine:
 
     def _install_hooks(self) -> None:
         for unit in self.units:
-            unit.module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward_hook(unit)), with_kwargs=True, prepend=True)
-            unit.module.register_forward_hook(torch.compiler.disable(self._post_forward_hook(unit)), with_kwargs=True)
+            pre, post = (torch.compiler.disable(h(unit)) for h in (self._pre_forward_hook, self._post_forward_hook))
+            unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+            unit.module.register_forward_hook(post, with_kwargs=True)
         if self.plan.activation_checkpointing:
             targets = [u.module for u in self.units[1:]] or [self.model]
             for module in targets:
@@ -357,8 +355,8 @@ class Engine:
         self.in_backward = False
 
     def _close_window(self) -> None:
-        """Agree on which parameters were used (and, when steps may be skipped, whether any
-        reduced gradient overflowed) in one all-reduce, read on the host once per step."""
+        """Agree on the used parameters (and any overflow, when steps may be skipped):
+        one all-reduce, one host read."""
         device = self.groups[0].full.device
         parts = [g.used.to(device) for g in self.trainable]
         if self.stepping.checks_nonfinite:
@@ -369,7 +367,7 @@ class Engine:
         start = 0
         for group in self.trainable:
             count = len(group.refs)
-            group.attach_grads(host[start:start + count])
+            attach_grads(group, host[start:start + count])
             group.end_window()
             start += count
         self.stepping.gradients_ready(found_nonfinite=self.stepping.checks_nonfinite and host[-1] > 0)

@@ -71,6 +71,13 @@ class GroupPlan:
     shard_at: Placement = ON_DEVICE
     """Where the shard lives between gathers (the parameter tier; sharded groups)."""
     pin_memory: bool = True
+    gathered_copy: bool = False
+    """FSDP's layout: the shard holds master-dtype values (it is the master) and the
+    compute copy is cast from it at each gather (``precision.compute_copy``)."""
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        return self.master_dtype if self.gathered_copy else self.compute_dtype
 
 
 class GatherState(Enum):
@@ -105,10 +112,11 @@ class FlatGroup:
         self.shard: torch.Tensor | None = None
         self.away: Region | None = None
         if sharded:
-            self.shard = torch.empty(layout.shard_numel, dtype=plan.compute_dtype, device=device)
-            self._copy_pieces(full, self.shard)
+            self.shard = torch.empty(layout.shard_numel, dtype=plan.shard_dtype, device=device)
+            self._copy_pieces(full if plan.shard_dtype == full.dtype else
+                              self._flatten(originals, plan.shard_dtype, device), self.shard)
             self.away = place(plan.shard_at, self.shard, spaces.parameters if spaces else None, pin=plan.pin_memory)
-        self.full = self.shard if sharded and n == 1 else full
+        self.full = self.shard if sharded and n == 1 and not plan.gathered_copy else full
         self.leaves = [self._leaf(bucket) for bucket in layout.buckets]
         self.master: torch.Tensor | None = None
         self.master_file: FileRegion | None = None
@@ -125,7 +133,7 @@ class FlatGroup:
         self.state = GatherState.UNSHARDED
         self._gather: Pending | None = None
         self.secondary: torch.Tensor | None = None
-        if sharded and (n > 1 or self.away is not None):
+        if sharded and self.full is not self.shard or self.away is not None:
             self._free_full()
         if self.away is not None and self.shard is not None:
             release(self.shard)
@@ -136,6 +144,10 @@ class FlatGroup:
         self.accumulated = [False] * len(layout.buckets)
         self.used = torch.zeros(len(refs), dtype=torch.float32)
         self.optimizer_grads: torch.Tensor | None = None
+        self.handed: list[bool] = []
+        """Used parameters at the last boundary (who gets an optimizer gradient, ``handing.py``)."""
+        self.pending = False
+        """Deferred gradients no step has consumed yet (``deferred_grads``)."""
 
     @property
     def master_device(self) -> torch.device:
@@ -143,6 +155,12 @@ class FlatGroup:
         if self.plan.separate_master and self.plan.master_at.home is not Home.DEVICE:
             return torch.device("cpu")
         return self.full.device
+
+    @property
+    def deferred_grads(self) -> bool:
+        """The optimizer's gradients differ in dtype from the store: they are cast from it
+        at step time and dropped after the step, never kept beside it (``handing.py``)."""
+        return self.plan.accumulate_dtype != self.plan.master_dtype and self.master_device == self.full.device
 
     @property
     def values_away(self) -> bool:
@@ -186,7 +204,7 @@ class FlatGroup:
         return self.refs[i].shape if self.layout.shards == 1 else torch.Size([self.layout.pieces[i].numel])
 
     def placeholder(self, i: int) -> torch.Tensor:
-        dtype = self.plan.master_dtype if self.plan.separate_master else self.plan.compute_dtype
+        dtype = self.plan.master_dtype if self.plan.separate_master else self.plan.shard_dtype
         return placeholder(self.param_shape(i), dtype, self.master_device)
 
     def _sharded_param(self, i: int) -> nn.Parameter:
@@ -212,8 +230,9 @@ class FlatGroup:
             if self.away is not None:  # read the shard in; it is let go once gathered
                 reserve(self.shard)
                 self.away.read(0, self.shard)
-            self._gather = collectives.all_gather(self.full, self.shard, self.mesh.gather, self.stats,
-                                                  async_op=True)
+            source = self.shard if self.shard.dtype == self.full.dtype or self.layout.shards == 1 else \
+                self.shard.to(self.full.dtype)  # the gathered layout's cast, freed once gathered
+            self._gather = collectives.all_gather(self.full, source, self.mesh.gather, self.stats, async_op=True)
         self.state = GatherState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -230,7 +249,7 @@ class FlatGroup:
         """Free ``full`` (sharded groups); with hpZ keep the secondary shard."""
         if not keep_secondary:
             self.secondary = None
-        if not self.plan.sharding.sharded_at_rest or (self.layout.shards == 1 and self.away is None):
+        if not self.plan.sharding.sharded_at_rest or (self.full is self.shard and self.away is None):
             return
         self.wait_unshard()
         if self.state is not GatherState.UNSHARDED:
@@ -279,7 +298,7 @@ class FlatGroup:
         store can accumulate locally and be reduced in place."""
         self.accumulated = [False] * len(self.layout.buckets)
         self.used.zero_()
-        cleared = [p.grad is None for p in self.params]
+        cleared = [p.grad is None and not self.pending for p in self.params]
         if self.grad_store is None:
             size = self.layout.shard_numel if self.plan.shard_grads else self.layout.numel
             self.grad_store = torch.zeros(size, dtype=self.plan.accumulate_dtype, device=self.full.device)
@@ -288,7 +307,7 @@ class FlatGroup:
         else:
             for i, was_cleared in enumerate(cleared):
                 if was_cleared:
-                    self._store_view(i).zero_()
+                    self.store_view(i).zero_()
         self.store_is_accumulator = single_reduce and not self.plan.shard_grads and all(cleared)
 
     def _accumulator(self) -> torch.Tensor:
@@ -357,42 +376,22 @@ class FlatGroup:
         """After the reductions landed: drop the no-sync accumulator."""
         self.local_acc = None
 
-    def _store_view(self, i: int) -> torch.Tensor:
+    def store_view(self, i: int) -> torch.Tensor:
         piece = self.layout.pieces[i]
         assert self.grad_store is not None
         if self.plan.shard_grads:
             return self.grad_store[piece.shard_start:piece.shard_stop]
         return self.grad_store[piece.full_start:piece.full_start + piece.numel]
 
-    def attach_grads(self, used: Sequence[float]) -> None:
-        """Give each sharded parameter used anywhere its gradient (in the master dtype)."""
-        cast = self.plan.accumulate_dtype != self.plan.master_dtype or self.master_device != self.full.device
-        if cast:
-            self.optimizer_grads = torch.empty(self.layout.shard_numel, dtype=self.plan.master_dtype,
-                                               device=self.master_device)
-        for i, param in enumerate(self.params):
-            if not used[i]:
-                param.grad = None
-                continue
-            grad = self._store_view(i)
-            if cast:
-                piece = self.layout.pieces[i]
-                grad = self.optimizer_grads[piece.shard_start:piece.shard_stop].copy_(grad)  # type: ignore[index]
-            param.grad = grad.view(param.shape)
-
     # ------------------------------------------------------------------ after the step
 
     def after_step(self) -> Iterator[tuple[int, Pending]]:
-        """Once the stepped values are in the compute parameters (``master.push_master``):
-        drop the optimizer's gradient copies and the hpZ shard; replicated groups
-        all-gather the updated pieces in place, yielding each gather in flight with its
+        """Once the stepped values are in the compute parameters (``master.push_master``) and
+        the optimizer's gradients dropped (``handing.drop_grads``): drop the hpZ shard; replicated
+        groups all-gather the updated pieces in place, yielding each gather in flight with its
         element count (the caller bounds how many are in flight)."""
         r = self.layout.shard_rank
         self.secondary = None
-        if self.optimizer_grads is not None:
-            for param in self.params:
-                param.grad = None
-            self.optimizer_grads = None
         if self.shard is not None or self.layout.shards == 1:
             return
         for b in self.layout.buckets:

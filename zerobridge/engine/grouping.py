@@ -43,20 +43,25 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
     group's master is a separate copy in the optimizer tier when the dtypes differ,
     when its shard is offloaded (the step then never needs the shard in memory) or
     when that tier is host memory apart from the device; a frozen group's master
-    (mixed precision only) lives where its shard does."""
+    (mixed precision only) lives where its shard does. With ``compute_copy="gathered"``
+    a sharded group's shard is its master (``GroupPlan.gathered_copy``)."""
     offload = plan.offload
     shard_at = offload.parameters if sharding.sharded_at_rest else ON_DEVICE
     mixed = plan.master_dtype != plan.compute_dtype
+    master_at = offload.optimizer if trainable else shard_at
+    # FSDP's layout: the shard is the master, cast at each gather (not with an offload tier:
+    # there the shard and the master live apart, DeepSpeed's way).
+    gathered = (mixed and plan.spec.precision.compute_copy == "gathered" and sharding.sharded_at_rest
+                and shard_at.home is Home.DEVICE and master_at.home is Home.DEVICE)
+    separate = mixed and not gathered
     if trainable:
-        master_at = offload.optimizer
-        separate = mixed or shard_at.home is not Home.DEVICE or master_at.home is Home.HOST
-    else:
-        master_at, separate = shard_at, mixed
+        separate = separate or shard_at.home is not Home.DEVICE or master_at.home is Home.HOST
     return GroupPlan(sharding=sharding, shard_grads=plan.grads_sharded, trainable=trainable,
                      compute_dtype=plan.compute_dtype, master_dtype=plan.master_dtype,
                      reduce_dtype=plan.reduce_dtype, accumulate_dtype=plan.accumulate_dtype,
                      keep_secondary=plan.secondary_size < plan.shard_size, separate_master=separate,
-                     master_at=master_at, shard_at=shard_at, pin_memory=offload.pin_memory)
+                     master_at=master_at, shard_at=shard_at, pin_memory=offload.pin_memory,
+                     gathered_copy=gathered)
 
 
 def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: EnginePlan, mesh: Mesh,

@@ -28,6 +28,7 @@ from torch import nn
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import CommStats, Pending
 from zerobridge.engine.flat_group import FlatGroup
+from zerobridge.engine.handing import drop_grads, materialize_grads
 from zerobridge.engine.loss_scale import LossScaler
 from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
@@ -165,14 +166,18 @@ class StepControl:
         if self.finalized:
             return True
         self.finalized = True
-        grads = self._grads()
-        if self.scaler.enabled and grads:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        self.skip = False
+        scale = self.scaler.scale
+        self.skip = self.checks_nonfinite and self.found_nonfinite
         if self.checks_nonfinite:
-            self.skip = self.found_nonfinite  # unscaling keeps an inf or NaN one
             self.scaler.update(found_inf=self.skip)
             self.skipped_steps += int(self.skip)
+        if self.skip:
+            return True
+        for group in self.trainable:  # deferred gradients exist from here to the end of the step
+            materialize_grads(group)
+        grads = self._grads()
+        if self.scaler.enabled and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
         return True
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -216,6 +221,8 @@ class StepControl:
         if not stash.stepping or not self.awaiting:
             if self.skip:
                 self.awaiting.clear()
+                for group in self.trainable:
+                    drop_grads(group)
             return
         for param, grad in stash.hidden:  # the tiled step is over: gradients stay visible until zero_grad
             param.grad = grad
@@ -226,6 +233,7 @@ class StepControl:
             if id(group) in self.awaiting and any(id(p) in stepped for p in group.params):
                 if not stash.swapped:
                     push_master(group)
+                drop_grads(group)
                 for numel, work in group.after_step():
                     inflight.append((numel, work))
                     while bound is not None and len(inflight) > 1 and sum(n for n, _ in inflight) > bound:

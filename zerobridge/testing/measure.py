@@ -73,12 +73,19 @@ def collective_counts(*, stage: int | None = None, spec: Any = None, steps: int 
     return last
 
 
-def formula_bytes(*, stage: int, params: int, shards: int, mixed: bool) -> float:
-    """ZeRO paper model-state bytes per rank with Adam: fp32 or 16-bit compute with fp32 master."""
+def formula_bytes(*, stage: int, params: int, shards: int, mixed: bool, layout: str = "stored",
+                  grad_bytes: int | None = None) -> float:
+    """ZeRO paper model-state bytes per rank with Adam: fp32, or 16-bit compute with an fp32 master
+    (``layout``: ``stored``, 16-bit parameters beside it, DeepSpeed; ``gathered``, fp32 parameters
+    that are the master, FSDP, where parameters are sharded). Gradients take ``grad_bytes`` per
+    element (default: the compute dtype's)."""
+    gathered = mixed and layout == "gathered" and stage == 3
+    compute = 2 if mixed else 4
+    param, grad = (4 if gathered else compute), (grad_bytes or compute)
+    optimizer = 12 if mixed and not gathered else 8
     p, n = float(params), float(shards)
-    if not mixed:
-        return {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}[stage]
-    return {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}[stage]
+    return sum(per * p / (n if stage >= since else 1)
+               for per, since in ((param, 3), (grad, 2), (optimizer, 1)))
 
 
 def live_tensor_bytes() -> int:
@@ -109,18 +116,27 @@ class Wide(nn.Module):
         return self.layers(x)
 
 
-def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2) -> dict[str, Any]:
-    """Train ``Wide`` with AdamW; report, at rest after the last step, bytes by the
-    engine's count and by a scan of live tensors, and the last step's traffic."""
+def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: str = "stored",
+                    at: str = "rest") -> dict[str, Any]:
+    """Train ``Wide`` with AdamW; report bytes by the engine's count and by a scan of live
+    tensors, and the last step's traffic. ``at``: ``rest`` after the last step, ``backward``
+    after its backward (before the optimizer step). 16-bit ``dtype``s keep an fp32 master in
+    ``layout`` (``precision.compute_copy``) and reduce and accumulate in the compute dtype;
+    fp16 scales the loss."""
     import zerobridge
     from zerobridge.api import spec_for_stage
-    from zerobridge.spec import EveryModuleWrap, PrecisionSpec
+    from zerobridge.spec import DynamicLossScale, EveryModuleWrap, PrecisionSpec
 
     spec = spec_for_stage(stage)
     if stage == 3:
         spec = spec.model_copy(update={"wrapping": EveryModuleWrap()})
     if dtype != "fp32":
-        spec = spec.model_copy(update={"precision": PrecisionSpec(param_dtype=dtype, master_dtype="fp32")})
+        scaling = DynamicLossScale(initial_scale=2.0**8) if dtype == "fp16" else None
+        # FSDP's layout as FSDP2 users run it: fp32 gradients (reduced in fp32 too).
+        grads = {"reduce_dtype": "fp32", "accumulate_dtype": "fp32"} if layout == "gathered" else {}
+        precision = PrecisionSpec(param_dtype=dtype, master_dtype="fp32", compute_copy=layout, **grads,
+                                  **({"loss_scaling": scaling} if scaling else {}))
+        spec = spec.model_copy(update={"precision": precision})
     from zerobridge.testing.parity import run_device
 
     device = run_device()
@@ -129,13 +145,17 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2) -> dict[
     params = sum(p.numel() for p in model.parameters())
     model = zerobridge.prepare(model, config=spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    live = stats = None
     for step in range(steps):
         zerobridge.reset_stats(model)
         x = torch.randn(8, 61, generator=torch.Generator().manual_seed(step + 100 * dist.get_rank())).to(device)
         model(x).float().pow(2).mean().backward()
-        optimizer.step()
         del x
-    live = live_tensor_bytes() - baseline
-    stats = zerobridge.stats(model)
+        if at == "backward" and step == steps - 1:
+            live, stats = live_tensor_bytes() - baseline, zerobridge.stats(model)
+        optimizer.step()
+    if at == "rest":
+        live, stats = live_tensor_bytes() - baseline, zerobridge.stats(model)
     optimizer.zero_grad()
-    return {"params": params, "shards": dist.get_world_size() if stage else 1, "live_bytes": live, "stats": stats}
+    return {"params": params, "shards": dist.get_world_size() if stage else 1, "live_bytes": live, "stats": stats,
+            "skipped": zerobridge.stats(model).get("skipped_steps")}

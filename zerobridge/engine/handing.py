@@ -1,0 +1,79 @@
+"""The optimizer's gradients: from a flat group's gradient store to ``param.grad``.
+
+    >>> import torch, zerobridge
+    >>> from zerobridge.spec import PrecisionSpec, StrategySpec
+    >>> spec = StrategySpec(precision=PrecisionSpec(param_dtype="bf16", master_dtype="fp32"))
+    >>> model = zerobridge.prepare(torch.nn.Linear(2, 1), config=spec)
+    >>> model(torch.ones(1, 2)).float().sum().backward()
+    >>> [p.grad for p in model.parameters()]          # bf16 in the store, not cast yet
+    [None, None]
+    >>> _ = zerobridge.clip_grad_norm_(model, 1.0)    # the step (or clipping) asks for them
+    >>> [p.grad.dtype for p in model.parameters()]
+    [torch.float32, torch.float32]
+
+At an accumulation boundary the engine hands each used parameter its gradient.
+When the store's dtype is the master's (and both live on one device) the
+parameter's ``.grad`` is a view of the store: nothing is copied. When they
+differ, a copy in the master dtype is needed; an offload tier keeps it on the
+host from the boundary on (DeepSpeed's fp32 gradient partitions), while on the
+device the copy is *deferred*: it is cast from the store only when the step
+(or ``clip_grad_norm_``) asks for it and dropped after the step, so the
+gradients are never held twice (DeepSpeed: 16-bit gradients, fp32 only while
+the optimizer steps). Deferred gradients no step consumed stay in the store and
+add up with the next window's, as ``p.grad`` would in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zerobridge.engine.flat_group import FlatGroup
+
+__all__ = ["attach_grads", "drop_grads", "materialize_grads"]
+
+
+def attach_grads(group: FlatGroup, used: Sequence[float]) -> None:
+    """At a boundary: give each of ``group``'s sharded parameters used on any rank its gradient
+    (in the master dtype), now, or at the step when the gradients are deferred."""
+    group.handed = [bool(u) for u in used]
+    group.pending = group.deferred_grads
+    if group.pending:
+        for param in group.params:
+            param.grad = None
+    else:
+        _hand(group)
+
+
+def materialize_grads(group: FlatGroup) -> None:
+    """At the step: cast deferred gradients to the master dtype (until ``drop_grads``)."""
+    if group.pending:
+        group.pending = False
+        _hand(group)
+
+
+def drop_grads(group: FlatGroup) -> None:
+    """The step consumed (or skipped) the gradients: drop the optimizer's copies."""
+    group.pending = False
+    if group.optimizer_grads is not None:
+        for param in group.params:
+            param.grad = None
+        group.optimizer_grads = None
+
+
+def _hand(group: FlatGroup) -> None:
+    plan = group.plan
+    cast = plan.accumulate_dtype != plan.master_dtype or group.master_device != group.full.device
+    if cast:
+        group.optimizer_grads = torch.empty(group.layout.shard_numel, dtype=plan.master_dtype,
+                                            device=group.master_device)
+    for i, param in enumerate(group.params):
+        if not group.handed[i]:
+            param.grad = None
+            continue
+        grad = group.store_view(i)
+        if group.optimizer_grads is not None:
+            piece = group.layout.pieces[i]
+            grad = group.optimizer_grads[piece.shard_start:piece.shard_stop].copy_(grad)
+        param.grad = grad.view(param.shape)
