@@ -101,13 +101,13 @@ def test_json_has_the_documented_fields() -> None:
 
 def test_the_independent_memory_measure_is_shown_beside_the_engines_and_a_mismatch_marked() -> None:
     agree, differ = outcome("native/stage3", [3.0, 2.0, 1.0]), outcome("fsdp/stage3", [3.0, 2.0, 1.0])
-    agree.live_bytes = {"params": 100, "grads": 100, "optimizer": 200, "other": 7}  # the engine said 100/100/200
-    differ.live_bytes = {"params": 100, "grads": 50, "optimizer": 150, "other": 100}
+    agree.live_bytes = {"params": 150, "grads": 50, "optimizer": 200, "other": 0}  # the engine said 100/100/200
+    differ.live_bytes = {"params": 100, "grads": 50, "optimizer": 150, "other": 0}
     text = comparison(agree, differ).render()
     rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("native/", "fsdp/"))}
     assert "≠" not in rows["native/stage3"] and "≠ 25%" in rows["fsdp/stage3"]
     runs = comparison(agree, differ).to_json()["runs"]
-    assert [r["live_mismatch"] for r in runs] == [0.0, 0.25] and runs[1]["live_bytes"]["other"] == 100
+    assert [r["live_mismatch"] for r in runs] == [0.0, 0.25] and runs[0]["live_bytes"]["params"] == 150
 
 
 def test_terminal_and_markdown_tables() -> None:
@@ -296,7 +296,7 @@ def test_compare_agrees_across_backends_and_matches_one_process(tmp_path: Path,
         assert set(run["live_bytes"]) == {"params", "grads", "optimizer", "other"}, run["name"]
     for name in ("native/stage3", "fsdp/stage3", "native/stage1"):
         run = next(r for r in data["runs"] if r["name"] == name)
-        assert run["live_mismatch"] == 0.0 and run["live_bytes"]["grads"] == run["model_state_bytes"]["grads"]
+        assert run["live_mismatch"] < 0.05 and run["live_bytes"]["grads"] == run["model_state_bytes"]["grads"]
     assert "live (gc)" in captured.out
     # FSDP2's ZeRO-1 form shards parameters at rest too: less than the ZeRO-2 formula it is measured against.
     fsdp1 = data["runs"][1]
@@ -369,6 +369,11 @@ def test_bf16_backends_agree_within_derived_bounds_and_a_dropped_reduction_fails
         "DeepSpeed's bf16 runs leave the fp32 bounds: the derived ones are what let them pass"
     assert "one-process bf16 rerun" in data["tolerances"]["bf16"]["source"]
     assert "bf16: tolerance" in capsys.readouterr().out
+    native = next(r for r in data["runs"] if r["name"] == "native/bf16z0")
+    # DeepSpeed's layout after backward: 16-bit parameters and gradients, fp32 master and moments,
+    # on the formula (the fp32 gradient copy waits for the step), and the live storages agree.
+    held = sum(native["model_state_bytes"].values())
+    assert held / native["formula_model_state_bytes"] < 1.02 and native["live_mismatch"] < 0.05
     code = main(["compare", "--config", str(config), "--backends", "fsdp", "native", "--steps", "6",
                  "--model", "zerobridge.testing.workloads:dropped_reduction", "--json", str(out)])
     assert code == 1

@@ -102,6 +102,24 @@ def test_bf16_stages_agree_with_each_other(pair: Cluster) -> None:
     assert max(_rel(a, b) for a, b in zip(runs[0].losses, runs[1].losses)) <= 1e-6  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("sharding", [
+    ShardingSpec.for_stage(3), ShardingSpec.for_stage(3, backward_gather_group=1),
+    ShardingSpec.for_stage(3, parameters="reshard_after_backward"), ShardingSpec.for_stage(1)])
+def test_gathered_layout_trains_like_stored_to_the_bit(pair: Cluster, sharding: ShardingSpec) -> None:
+    """FSDP's layout (the fp32 shard is the master, cast at each gather) and DeepSpeed's (a
+    stored bf16 copy beside an fp32 master) run the same numbers: on 2 ranks, with hpZ, without
+    resharding after forward, and at stage 1 where parameters are replicated (stored there)."""
+    runs = []
+    for layout in ("stored", "gathered"):
+        spec = StrategySpec(sharding=sharding, wrapping=TransformerWrap(), precision=PrecisionSpec(
+            param_dtype="bf16", master_dtype="fp32", compute_copy=layout))
+        runs.append(pair.run(NATIVE, spec=spec, steps=4)[0])
+    stored, gathered = runs
+    assert stored.losses == gathered.losses and stored.grad_norms == gathered.grad_norms  # type: ignore[attr-defined]
+    for name, value in stored.state.items():  # type: ignore[attr-defined]
+        assert torch.equal(value, gathered.state[name]), name  # type: ignore[attr-defined]
+
+
 def test_fp16_dynamic_loss_scale_skips_overflow_steps(pair: Cluster) -> None:
     scaling = DynamicLossScale(initial_scale=2.0**20, hysteresis=1, growth_interval=1000)
     spec = StrategySpec(sharding=ShardingSpec.for_stage(2), precision=PrecisionSpec(

@@ -65,14 +65,16 @@ class Divergence:
 
 
 MISMATCH = 0.05
-"""Relative difference between an engine's own model-state total and the live storages it holds
-(params + grads + optimizer) beyond which the table marks the run ``≠``."""
+"""Relative difference between an engine's own model-state total and every live storage of its
+process beyond which the table marks the run ``≠``."""
 
 
 def live_mismatch(run: RunOutcome) -> float | None:
-    """How far the engine's own model-state total is from the independently measured one."""
+    """How far the engine's own model-state total is from the independently measured total: every
+    live storage, ``other`` included (an engine's own buffers point at no parameter; what is left
+    besides model state after backward is a few batch rows and small buffers)."""
     own = sum(run.model_state_bytes.values())
-    live = sum(v for k, v in run.live_bytes.items() if k != "other")
+    live = sum(run.live_bytes.values())
     return None if not run.live_bytes or not own else abs(own - live) / own
 
 

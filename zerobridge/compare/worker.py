@@ -167,12 +167,15 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
         start = time.perf_counter()
         loss = work.loss(net, rows)
         loss.backward()
-        norm = zerobridge.clip_grad_norm_(net, max_norm)
         spent = time.perf_counter() - start
-        before = zerobridge.stats(net)  # gradients at their largest: backward done, step not yet taken
+        # Every engine measured at one point: backward done, before clipping and the step ask
+        # for the gradients (the native engine's deferred fp32 copy and DeepSpeed's fp32
+        # gradient partitions both exist only from then to the end of the step).
+        before = zerobridge.stats(net)
         if step == steps - 1 and step > 0:  # optimizer state exists from the step before
             record.live_bytes = live_by_role(net, optimizer)
         start = time.perf_counter()
+        norm = zerobridge.clip_grad_norm_(net, max_norm)
         optimizer.step()
         spent += time.perf_counter() - start
         stats = zerobridge.stats(net)

@@ -159,3 +159,35 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
     optimizer.zero_grad()
     return {"params": params, "shards": dist.get_world_size() if stage else 1, "live_bytes": live, "stats": stats,
             "skipped": zerobridge.stats(model).get("skipped_steps")}
+
+
+def gpt_model_state(*, preset: str, spec: Any, backend: str = "native", steps: int = 2,
+                    global_batch: int = 4, seq_len: int = 128) -> dict[str, Any]:
+    """Train the tiny GPT ``preset`` under ``spec`` on ``backend`` with AdamW and clipping at 1.0;
+    on the last step, the bytes of every live tensor storage beyond what was live before the model
+    was built: after backward (``after_backward``) and once clipping asked for the gradients, as
+    the optimizer steps (``at_step``)."""
+    import zerobridge
+    from zerobridge.compare.workload import tiny_gpt_workload
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    baseline = live_tensor_bytes()
+    work = tiny_gpt_workload(0, preset=preset, global_batch=global_batch, seq_len=seq_len)
+    params = sum(p.numel() for p in work.model.parameters())
+    model = zerobridge.prepare(work.model, config=spec, backend=backend)
+    batch, loss = work.batch, work.loss
+    del work  # the engines keep what they need of the model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    out: dict[str, Any] = {"params": params}
+    for step in range(steps):
+        rows = tuple(t.chunk(world)[rank] for t in batch(step))
+        loss(model, rows).backward()
+        del rows
+        if step == steps - 1:
+            out["after_backward"] = live_tensor_bytes() - baseline
+        zerobridge.clip_grad_norm_(model, 1.0)
+        if step == steps - 1:
+            out["at_step"] = live_tensor_bytes() - baseline
+        optimizer.step()
+        optimizer.zero_grad()
+    return out

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from zerobridge.compare.workload import Workload, tiny_gpt_workload
 from zerobridge.testing.parity import ParityNet, batch
 
-__all__ = ["BROKEN_STEP", "dropped_reduction", "faulty_workload", "parity_workload"]
+__all__ = ["BROKEN_STEP", "dropped_reduction", "dropped_reduction_20m", "faulty_workload", "parity_workload"]
 
 _ROWS = 8
 
@@ -56,9 +56,17 @@ BROKEN_STEP = 3
 
 def dropped_reduction(seed: int) -> Workload:
     """The tiny GPT whose native-engine rank 1 drops its gradients from ``BROKEN_STEP`` on."""
+    return _dropping(tiny_gpt_workload(seed))
+
+
+def dropped_reduction_20m(seed: int) -> Workload:
+    """``dropped_reduction`` on the 20M preset (4 rows of 128 tokens per step)."""
+    return _dropping(tiny_gpt_workload(seed, preset="20m", global_batch=4, seq_len=128))
+
+
+def _dropping(work: Workload) -> Workload:
     from zerobridge.engine.flat_group import FlatGroup
 
-    work = tiny_gpt_workload(seed)
     step = [0]
     if dist.is_initialized() and dist.get_rank() == 1:
         original = FlatGroup.take_grad
