@@ -201,6 +201,24 @@ def publish(results: dict[str, Any] | None, path: Path, table_of: Any, markers: 
     return block
 
 
+def preset_main(script: str, doc: str | None, *, steps: int, path: Path, table_of: Any, markers: tuple[str, str],
+                measure: Any) -> int:
+    """The command line of a per-preset benchmark: ``--steps``, ``--presets``, ``--render``;
+    ``measure(presets, steps)`` gives the figures saved beside the date, machine and command."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--presets", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--render", action="store_true", help="only rewrite the docs table")
+    args = parser.parse_args()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    results = None if args.render else {
+        "date": datetime.date.today().isoformat(), "machine": machine(), "steps": args.steps,
+        "command": "python bench/" + Path(script).name + " " + " ".join(sys.argv[1:]),
+        **measure(args.presets, args.steps)}
+    print(publish(results, path, table_of, markers))
+    return 0
+
+
 def render(results: dict[str, Any]) -> None:
     """Rewrite the docs table and the plot from ``results``."""
     DOC.write_text(splice(DOC.read_text(), table(results)))

@@ -22,14 +22,10 @@ JSON). A script, not a test: it asserts nothing about time.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from backends import ROOT, SHAPES, machine, publish, splice  # splice: tests render the block
+from backends import ROOT, SHAPES, preset_main, splice  # splice: tests render the block
 
 from zerobridge.compare.report import Comparison, relative
 from zerobridge.compare.runner import RunOutcome
@@ -116,19 +112,10 @@ def table(results: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--presets", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--render", action="store_true", help="only rewrite the docs table")
-    args = parser.parse_args()
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    results = None if args.render else {
-        "date": datetime.date.today().isoformat(), "machine": machine(), "steps": args.steps,
-        "command": "python bench/" + Path(__file__).name + " " + " ".join(sys.argv[1:]),
-        "eager_vs_compiled": eager_vs_compiled(args.steps),
-        "native_vs_fsdp": {p: native_vs_fsdp(p, args.steps) for p in args.presets}}
-    print(publish(results, RESULTS, table, (BEGIN, END)))
-    return 0
+    return preset_main(__file__, __doc__, steps=6, path=RESULTS, table_of=table, markers=(BEGIN, END),
+                       measure=lambda presets, steps: {
+                           "eager_vs_compiled": eager_vs_compiled(steps),
+                           "native_vs_fsdp": {p: native_vs_fsdp(p, steps) for p in presets}})
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def test_big_model_table_is_the_committed_results() -> None:
     assert bench.splice(doc, bench.table(results)) == doc, "rerun `python bench/big_model.py --render`"
 
 
-@pytest.mark.parametrize("name", ["compile", "engine_scale"])
+@pytest.mark.parametrize("name", ["compile", "engine_scale", "mixed_precision"])
 def test_benchmark_block_is_the_committed_results(name: str) -> None:
     """docs/benchmarks.md carries the block bench/NAME.py renders from bench/results/NAME.json."""
     import json
