@@ -18,7 +18,7 @@ from torch import nn
 
 from zerobridge.errors import ConfigError
 from zerobridge.init.replay import Replay, is_meta_model, plan_ops
-from zerobridge.spec import OffloadSpec, ShardingSpec, StrategySpec, TransformerWrap
+from zerobridge.spec import OffloadSpec, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
 from zerobridge.testing.cluster import Cluster, RankError, clusters as cluster_set
 from zerobridge.testing.deferred import eager_state, meta_state
 
@@ -154,6 +154,9 @@ LAYOUTS = {
     "hybrid zero3 2x2": StrategySpec(sharding=ShardingSpec.for_stage(3, shard_group=2), wrapping=TransformerWrap()),
     "hybrid zero2 2x2": StrategySpec(sharding=ShardingSpec.for_stage(2, shard_group=2)),
     "hpZ zero3 groups of 2": StrategySpec(sharding=ShardingSpec.for_stage(3, backward_gather_group=2)),
+    "zero3 bf16, fp32 shard as master": StrategySpec(
+        sharding=ShardingSpec.for_stage(3), wrapping=TransformerWrap(),
+        precision=PrecisionSpec(param_dtype="bf16", compute_copy="gathered")),
 }
 
 

@@ -23,7 +23,7 @@ import zerobridge
 from zerobridge.errors import ConfigError
 from zerobridge.pretrained.files import open_weights
 from zerobridge.pretrained.load import match_names
-from zerobridge.spec import ShardingSpec, StrategySpec, TransformerWrap
+from zerobridge.spec import PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
 from zerobridge.testing.cluster import Cluster, RankError, clusters as cluster_set
 from zerobridge.testing.deferred import BUILDERS, eager_state
 
@@ -183,6 +183,10 @@ def test_hybrid_and_fsdp_backend_load(clusters: dict[int, Cluster], llama_dirs: 
     hybrid = StrategySpec(sharding=ShardingSpec.for_stage(3, shard_group=2), wrapping=TransformerWrap())
     for result in clusters[4].run(LOAD, model="llama", source=str(llama_dirs["sharded"]), spec=hybrid):
         assert_same(result["state"], want)
+    fsdp_layout = StrategySpec(sharding=ShardingSpec.for_stage(3), wrapping=TransformerWrap(),
+                               precision=PrecisionSpec(param_dtype="bf16", compute_copy="gathered"))
+    for result in clusters[2].run(LOAD, model="llama", source=str(llama_dirs["sharded"]), spec=fsdp_layout):
+        assert_same(result["state"], want)  # fp32 shards loaded exactly: no bf16 round trip
     for result in clusters[2].run(LOAD, model="parity", source=str(_parity_file(llama_dirs)), stage=3,
                                   backend="fsdp"):
         assert_same(result["state"], eager_state("parity", seed=1))
