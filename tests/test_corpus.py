@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import corpus_files
+from conftest import corpus_files, in_original_layout
 from zerobridge.cli import main
 from zerobridge.loading import load
 from zerobridge.translate.formats import TARGETS, YAML_TARGETS
@@ -21,33 +21,9 @@ pytestmark = pytest.mark.corpus
 CONVERTIBLE = corpus_files("deepspeed") + corpus_files("accelerate")
 
 
-def _in_original_layout(path: Path, tmp_path: Path) -> Path:
-    """An Accelerate YAML whose deepspeed_config_file is a relative path only
-    resolves in its repository's layout: rebuild that layout from the corpus
-    (``owner__repo__dir__file`` names) in a temporary directory."""
-    if path.suffix not in (".yaml", ".yml"):
-        return path
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    ref = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if not ref or Path(ref).is_absolute():
-        return path
-    *repo_dirs, _ = path.name.split("__")[2:]
-    here = tmp_path.joinpath(*repo_dirs)
-    here.mkdir(parents=True)
-    (here / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
-    target = (here / ref).resolve()
-    owner_repo = "__".join(path.name.split("__")[:2])
-    rel = target.relative_to(tmp_path.resolve())
-    source = path.parent.parent / "deepspeed" / f"{owner_repo}__{'__'.join(rel.parts)}"
-    assert source.exists(), f"{path.name} refers to {ref}, which the corpus lacks"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
-    return here / path.name
-
-
 @pytest.mark.parametrize("path", CONVERTIBLE, ids=lambda p: p.name)
 def test_converts_to_every_target(path: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    path = _in_original_layout(path, tmp_path)
+    path = in_original_layout(path, tmp_path)
     for target in sorted(TARGETS):
         code = main(["convert", str(path), "--to", target, "--explain"])
         out, err = capsys.readouterr()

@@ -31,6 +31,7 @@ from typing import Any
 from zerobridge.errors import ConfigError
 from zerobridge.spec import AUTO, DType, Stage, StrategySpec, is_auto
 from zerobridge.translate.compilation import read_dynamo
+from zerobridge.translate.compute_copy import note_layout
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -147,10 +148,11 @@ def _read_ddp(keys: SourceKeys, kind: str, mixed: str, world: int | None) -> Str
     _carry_machines(keys, "DDP replicates over every process of every machine")
     keys.report.add("distributed_type", Status.EQUIVALENT, f"{kind} is DDP: ZeRO stage 0, gradients all-reduced "
                     f"in fp32 under autocast{', with a GradScaler' if mixed == 'fp16' else ''}", target="sharding")
+    layout = note_layout(keys.report, "autocast", key="mixed_precision") if compute is not DType.FP32 else "stored"
     return StrategySpec.model_validate({
         "sharding": {"world_size": 1 if kind == "NO" else world},
         "precision": {"param_dtype": compute, "master_dtype": DType.FP32, "reduce_dtype": DType.FP32,
-                      "accumulate_dtype": DType.FP32, **_scaling(mixed)},
+                      "accumulate_dtype": DType.FP32, "compute_copy": layout, **_scaling(mixed)},
         "batch": {"grad_sync": "accumulation_boundary"}, "checkpoint": {"format": "full"}})
 
 

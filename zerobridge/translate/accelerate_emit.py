@@ -22,6 +22,7 @@ from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, StrategySpec, is_auto
 from zerobridge.translate.accelerate import D, F, FORMAT, read_accelerate
 from zerobridge.translate.compilation import write_dynamo
+from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.keys import join_notes, spec_diff
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
@@ -168,6 +169,7 @@ def _base(spec: StrategySpec, report: Report, *, deepspeed: bool = False) -> tup
             report.add("precision.master_dtype", Status.APPROXIMATED, "Accelerate keeps fp32 master weights under "
                        f"mixed precision; pure {p.param_dtype} training is mixed_precision: no with the model loaded "
                        f"in {p.param_dtype}", target="mixed_precision")
+    write_compute_copy(report, p, "deepspeed" if deepspeed else "fsdp", target="mixed_precision")
     dynamo = write_dynamo(spec, report, deepspeed=deepspeed)
     if dynamo is not None:
         out["dynamo_config"] = dynamo

@@ -31,6 +31,7 @@ from zerobridge.spec import (
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
 from zerobridge.translate.compilation import read_deepspeed_compile
+from zerobridge.translate.compute_copy import note_layout
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -207,6 +208,9 @@ def _precision(keys: SourceKeys) -> dict[str, Any]:
                                                     if flag == AUTO),
                               "reduce_dtype": reduce, "accumulate_dtype": accumulate, "buffer_dtype": buffer,
                               "loss_scaling": _loss_scaling(keys, compute)}
+    if (compute is AUTO or compute != DType.FP32) and master == DType.FP32:
+        fields["compute_copy"] = note_layout(keys.report, "deepspeed", key="fp16.enabled" if fp16 in (True, AUTO)
+                                             and bf16 is not True else "bf16.enabled")
     if compute == DType.FP16:
         fields["skip_nonfinite_steps"] = True
     elif compute == DType.BF16 or compute is AUTO:

@@ -25,6 +25,7 @@ from zerobridge.spec import (
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
 from zerobridge.translate.compilation import write_deepspeed_compile
+from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 
@@ -233,6 +234,7 @@ def _precision(spec: StrategySpec, report: Report) -> dict[str, Any]:
         report.add("precision.skip_nonfinite_steps", Status.NOT_EXPRESSIBLE,
                    "DeepSpeed skips non-finite steps only in fp16/bf16 mode")
     out["fp16"], out["bf16"] = fp16, bf16
+    write_compute_copy(report, p, "deepspeed", target="fp16" if p.param_dtype == DType.FP16 else "bf16")
     if not is_auto(p.reduce_dtype):
         out["communication_data_type"] = p.reduce_dtype.value
     elif not auto:

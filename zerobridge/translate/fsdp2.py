@@ -25,6 +25,7 @@ from zerobridge.spec import (
     OptimizerOffload, ParamOffload, ParamSharding, PrecisionSpec, ShardingSpec, StrategySpec,
 )
 from zerobridge.translate.compilation import no_compile_form
+from zerobridge.translate.compute_copy import read_compute_copy
 from zerobridge.translate.fsdp import (
     PER_UNIT, Loop, accumulate_dtype_for, build_mesh, check_precision, layer_classes, read_keys, read_mesh,
     read_training_loop, read_wrap, section, take, with_world_size,
@@ -136,9 +137,10 @@ def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
     r.report.add("training_loop.grad_sync", Status.EXACT, f"gradients accumulate in {accumulate.value}: reduced "
                  "shards in the loaded dtype, unsharded gradients with sync disabled in reduce_dtype",
                  target="precision.accumulate_dtype")
-    return PrecisionSpec(param_dtype=param, master_dtype=master, reduce_dtype=reduce, accumulate_dtype=accumulate,
-                         buffer_dtype=None, loss_scaling=loop.loss_scaling,
-                         skip_nonfinite_steps=loop.skip_nonfinite_steps)
+    return read_compute_copy(r.report, PrecisionSpec(
+        param_dtype=param, master_dtype=master, reduce_dtype=reduce, accumulate_dtype=accumulate, buffer_dtype=None,
+        loss_scaling=loop.loss_scaling, skip_nonfinite_steps=loop.skip_nonfinite_steps),
+        "fsdp", key="mp_policy.param_dtype")
 
 
 def write_fsdp2(spec: StrategySpec) -> Translation[dict[str, Any]]:

@@ -23,6 +23,7 @@ from zerobridge.spec import (
     AUTO, CheckpointFormat, DType, DynamicLossScale, EveryModuleWrap, GradSync, OffloadDevice, ParamSharding,
     RootWrap, SizeWrap, Stage, StaticLossScale, StrategySpec, TransformerWrap, is_auto,
 )
+from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.fsdp import DIM_NAMES, PER_UNIT, shown
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.values import torch_dtype_name
@@ -118,6 +119,8 @@ def resolve_precision(spec: StrategySpec, report: Report, *, target: str) -> tup
         if is_auto(getattr(p, name)):
             report.add(f"precision.{name}", Status.APPROXIMATED, f"\"auto\" has no launcher to fill it under raw "
                        f"FSDP: written as {torch_dtype_name(value)}", target=target)
+    if not is_auto(p.param_dtype):
+        write_compute_copy(report, p, "fsdp", target=target)
     return param, reduce, master
 
 

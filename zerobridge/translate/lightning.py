@@ -28,6 +28,7 @@ from typing import Any
 from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import DType, StrategySpec, is_auto
 from zerobridge.translate.compilation import no_compile_form
+from zerobridge.translate.compute_copy import note_layout, write_compute_copy
 from zerobridge.translate.keys import SourceKeys, spec_diff, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -112,9 +113,11 @@ def _read_ddp(keys: SourceKeys) -> StrategySpec:
         if dtype == DType.FP16 and mixed else {}
     for path in ("Trainer.accumulate_grad_batches", "Trainer.gradient_clip_val"):
         keys.note(path)
+    layout = note_layout(keys.report, "autocast", key="Trainer.precision") if mixed and dtype is not DType.FP32 \
+        else "stored"
     return StrategySpec.model_validate({
         "precision": {"param_dtype": dtype, "master_dtype": master, "reduce_dtype": master,
-                      "accumulate_dtype": master, **scaling},
+                      "accumulate_dtype": master, "compute_copy": layout, **scaling},
         "batch": {"accumulation_steps": keys.get("Trainer.accumulate_grad_batches"), "grad_sync":
                   "accumulation_boundary", "clip_grad_norm": keys.get("Trainer.gradient_clip_val") or None},
         "checkpoint": {"format": "full"}})
@@ -240,7 +243,7 @@ def write_lightning(spec: StrategySpec) -> Translation[dict[str, Any]]:
     scored = []
     for name, kwargs in candidates:
         back = read_lightning(name, **kwargs, **trainer).value
-        diffs = spec_diff(spec, back)
+        diffs = [d for d in spec_diff(spec, back) if d[0] != "precision.compute_copy"]  # reported below
         is_ds = name.startswith("deepspeed")
         scored.append((len(diffs), is_ds != prefer_ds, name, kwargs, diffs))
     _, _, name, kwargs, diffs = min(scored, key=lambda s: (s[0], s[1]))
@@ -250,6 +253,8 @@ def write_lightning(spec: StrategySpec) -> Translation[dict[str, Any]]:
         report.add(f"kwargs.{key}", Status.EXACT, f"{value!r}; the bare name gives {_default(cls, bare, key)!r}",
                    target=f"{cls}.{key}")
     hint = _DS_HINT if cls == "DeepSpeedStrategy" else "no FSDPStrategy argument says it"
+    write_compute_copy(report, spec.precision, "deepspeed" if cls == "DeepSpeedStrategy" else "fsdp"
+                       if cls == "FSDPStrategy" else "autocast", target="Trainer.precision")
     no_compile_form(spec, report, "no Lightning strategy or Trainer argument compiles: pass torch.compile(model) "
                                   "to trainer.fit")
     for path, want, got in diffs:
