@@ -229,7 +229,8 @@ def solo_group() -> Iterator[None]:
     "zerobridge.spec.compilation", "zerobridge.engine.schedule", "zerobridge.engine.boundary",
     "zerobridge.testing.lora", "zerobridge.testing.many_units", "zerobridge.distributed",
     "zerobridge.compare.tolerance", "zerobridge.testing.workloads", "zerobridge.compare.memory",
-    "zerobridge.engine.handing",
+    "zerobridge.engine.handing", "zerobridge.engine.streams", "zerobridge.engine.reducing",
+    "zerobridge.testing.streams",
 ])
 def test_module_examples_run(name: str, solo_group: None) -> None:
     result = doctest.testmod(importlib.import_module(name))

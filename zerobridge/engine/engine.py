@@ -42,23 +42,23 @@ from torch.utils import _pytree as pytree
 from zerobridge.engine import collectives
 from zerobridge.engine.boundary import after_inputs_backward, cast_floats, checkpointed
 from zerobridge.engine.collectives import CommStats
-from zerobridge.engine.flat_group import FlatGroup, Reduction
+from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.grouping import build_groups
 from zerobridge.engine.handing import attach_grads
 from zerobridge.engine.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import open_spaces
 from zerobridge.engine.plan import EnginePlan
+from zerobridge.engine.reducing import ReductionQueue
 from zerobridge.engine.schedule import Order, Residency, Unit
 from zerobridge.engine.state import full_state_dict, memory
 from zerobridge.engine.step import StepControl, install_optimizer_hooks, nonfinite_flag
+from zerobridge.engine.streams import Streams
 from zerobridge.engine.swap import StateSwapper
 from zerobridge.engine.units import collect_params, owners, unit_modules
 from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
 
 __all__ = ["Engine", "Unit"]
-
-MAX_INFLIGHT_REDUCTIONS = 2
 
 
 class Engine:
@@ -99,7 +99,10 @@ class Engine:
         # parameter comes last are expected to finish first in backward.
         order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
                  for b in g.layout.buckets]
-        self.order = [(g, b) for g, b, _ in sorted(order, key=lambda item: -item[2])]
+        self.streams = Streams(self.device)
+        self.reductions = ReductionQueue([(g, b) for g, b, _ in sorted(order, key=lambda item: -item[2])], self.streams)
+        # Side streams let the next unit's gather run beside this one's compute: prefetch it.
+        self.forward_prefetch = plan.forward_prefetch or self.streams.overlaps
         for group in self.groups:
             group.restore()
             for b, leaf in enumerate(group.leaves):
@@ -109,10 +112,7 @@ class Engine:
         # Runtime state.
         self.in_backward = self.window_open = self.reduce_now = self.boundary = False
         self.no_sync_depth = self.micro_in_window = 0
-        self.ready: set[tuple[int, int]] = set()
-        self.cursor = 0
-        self.pending: list[Reduction] = []
-        self.residency = Residency(self.groups)
+        self.residency = Residency(self.groups, self.streams)
         self.forward_order: list[Unit] = []
         self.seen: set[Unit] = set()
         self.previous: Order[Unit] = Order([])
@@ -148,6 +148,7 @@ class Engine:
             if self.forward_order:
                 self.previous = Order(self.forward_order, {u: u.numel for u in self.forward_order})
             self.forward_order, self.seen = [], set()
+            self.streams.begin_pass()
             if self.plan.compute_dtype != torch.float32:
                 args, kwargs = cast_floats((args, kwargs), self.plan.compute_dtype)
             for group in self.replicated:
@@ -157,7 +158,7 @@ class Engine:
             self.forward_order.append(unit)
             self.seen.add(unit)
         self.residency.gather(unit, backward=False)
-        if self.plan.forward_prefetch and not self.in_backward:
+        if self.forward_prefetch and not self.in_backward:
             self._prefetch(unit, self.previous, backward=False)
         self.residency.wait(unit)
         for group in unit.groups:
@@ -240,8 +241,8 @@ class Engine:
             for group in self.trainable:
                 group.begin_window(single_reduce=single_reduce)
             self.window_open = True
-        self.ready.clear()
-        self.cursor = 0
+        self.streams.begin_pass()
+        self.reductions.restart()
         self.backward_order = Order(self.forward_order[::-1], {u: u.numel for u in self.forward_order})
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -277,9 +278,9 @@ class Engine:
         if not self.in_backward:
             self._begin_backward()
         if self.reduce_now:
-            self.ready.add((id(group), b))
+            self.reductions.ready.add((id(group), b))
             if self.plan.overlap_reduce:
-                self._launch_ready()
+                self.reductions.launch(self.plan.gradient_divisor)
         else:
             group.accumulate_local(b)
         unit = self.unit_of.get(id(group))
@@ -317,29 +318,10 @@ class Engine:
         if self.plan.backward_prefetch is BackwardPrefetch.AFTER_GRAD:
             self._prefetch(unit, self.backward_order, backward=True)
 
-    def _launch_ready(self, *, flush: bool = False) -> None:
-        while self.cursor < len(self.order):
-            group, b = self.order[self.cursor]
-            if not flush and (id(group), b) not in self.ready:
-                return
-            self.pending.append(group.reduce(b, self.plan.gradient_divisor))
-            self.cursor += 1
-            # At most two reductions in flight (the order is the same on every rank):
-            # a bucket's full gradient is freed once its reduction has landed.
-            while len(self.pending) > MAX_INFLIGHT_REDUCTIONS:
-                self._land(self.pending.pop(0))
-
-    @staticmethod
-    def _land(reduction: Reduction) -> None:
-        reduction.work.wait()
-        reduction.finish()
-
     def _end_of_backward(self) -> None:
         if self.reduce_now:
-            self._launch_ready(flush=True)
-        for reduction in self.pending:
-            self._land(reduction)
-        self.pending.clear()
+            self.reductions.launch(self.plan.gradient_divisor, flush=True)
+        self.reductions.land_all()
         for unit in self.units:
             for group in unit.groups:
                 group.restore()

@@ -48,7 +48,7 @@ from zerobridge.engine.offload import (
 from zerobridge.engine.units import ParamRef
 from zerobridge.spec import ParamSharding
 
-__all__ = ["FlatGroup", "GroupPlan", "ParamRef", "Reduction"]
+__all__ = ["FlatGroup", "GroupPlan", "ParamRef"]
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,6 @@ class GatherState(Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     UNSHARDED = "unsharded"
-
-
-@dataclass
-class Reduction:
-    """A bucket's gradient reduction in flight; ``finish`` lands it in the store."""
-
-    work: Pending
-    finish: Callable[[], None]
 
 
 class FlatGroup:
@@ -217,14 +209,15 @@ class FlatGroup:
         release(self.full)
         self.state = GatherState.SHARDED
 
-    def unshard(self, *, backward: bool) -> None:
-        """Issue the all-gather of ``full`` (asynchronously) unless it is there."""
+    def unshard(self, *, backward: bool, async_op: bool = True) -> None:
+        """Issue the all-gather of ``full`` unless it is there (``async_op``: as a collective
+        in flight; else ordered on the current stream, a side stream on CUDA)."""
         if self.state is not GatherState.SHARDED:
             return
         reserve(self.full)
         if backward and self.secondary is not None:
             self._gather = collectives.all_gather(self.full, self.secondary, self.mesh.secondary, self.stats,
-                                                  async_op=True)
+                                                  async_op=async_op)
         else:
             assert self.shard is not None
             if self.away is not None:  # read the shard in; it is let go once gathered
@@ -232,7 +225,7 @@ class FlatGroup:
                 self.away.read(0, self.shard)
             source = self.shard if self.shard.dtype == self.full.dtype or self.layout.shards == 1 else \
                 self.shard.to(self.full.dtype)  # the gathered layout's cast, freed once gathered
-            self._gather = collectives.all_gather(self.full, source, self.mesh.gather, self.stats, async_op=True)
+            self._gather = collectives.all_gather(self.full, source, self.mesh.gather, self.stats, async_op=async_op)
         self.state = GatherState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -310,7 +303,7 @@ class FlatGroup:
                     self.store_view(i).zero_()
         self.store_is_accumulator = single_reduce and not self.plan.shard_grads and all(cleared)
 
-    def _accumulator(self) -> torch.Tensor:
+    def accumulator(self) -> torch.Tensor:
         if self.store_is_accumulator:
             assert self.grad_store is not None
             return self.grad_store
@@ -328,49 +321,8 @@ class FlatGroup:
         grad = self.take_grad(b)
         if grad is None:
             return
-        self._accumulator()[self.layout.buckets[b].region].add_(grad)
+        self.accumulator()[self.layout.buckets[b].region].add_(grad)
         self.accumulated[b] = True
-
-    def reduce(self, b: int, divisor: float) -> Reduction:
-        """Issue the reduction of bucket ``b`` (this micro-step's and accumulated gradients)."""
-        bucket, plan, mesh = self.layout.buckets[b], self.plan, self.mesh
-        grad, region = self.take_grad(b), bucket.region
-        acc = self._accumulator() if (self.accumulated[b] or self.store_is_accumulator) else None
-        if acc is not None and self.store_is_accumulator:
-            # Stage 0/1: the store's own bucket is the buffer reduced in place.
-            if grad is not None:
-                acc[region].add_(grad)
-            x = acc[region] if acc.dtype == plan.reduce_dtype else acc[region].to(plan.reduce_dtype)
-        else:
-            if grad is None:
-                x = torch.zeros(bucket.numel, dtype=plan.reduce_dtype, device=self.full.device)
-            else:
-                x = grad.to(plan.reduce_dtype)
-            if acc is not None:
-                x.add_(acc[region])
-        self.accumulated[b] = False
-        x.div_(divisor)
-        r = self.layout.shard_rank
-        y = x[r * bucket.piece:(r + 1) * bucket.piece]
-        if self.layout.shards == 1:  # stage 0: one all-reduce over the replicas
-            work = collectives.all_reduce(y, mesh.replicate, self.stats, async_op=True)
-        else:
-            work = collectives.reduce_scatter(y, x, mesh.reduce, self.stats, async_op=True)
-        across_replicas = self.layout.shards > 1
-        assert self.grad_store is not None
-        dst = self.grad_store[bucket.in_shard if plan.shard_grads else bucket.piece_of(r)]
-        in_place = y.data_ptr() == dst.data_ptr()
-
-        def finish() -> None:
-            if across_replicas:
-                collectives.all_reduce(y, mesh.replicate, self.stats)
-            if in_place:
-                return
-            if self.store_is_accumulator:
-                dst.copy_(y)
-            else:
-                dst.add_(y)
-        return Reduction(work, finish)
 
     def end_window(self) -> None:
         """After the reductions landed: drop the no-sync accumulator."""

@@ -292,12 +292,20 @@ class HostRegion:
         return self.tensor.numel() * self.tensor.element_size()
 
     def read(self, start: int, out: torch.Tensor) -> torch.Tensor:
-        out.view(-1).copy_(self.tensor[start:start + out.numel()])
+        """Copy elements into ``out``: without waiting from pinned memory to an accelerator
+        (the copy is ordered on the current stream, the gather stream for a shard)."""
+        values = self.tensor[start:start + out.numel()]
+        out.view(-1).copy_(values, non_blocking=reads_into_device(out) and values.is_pinned())
         return out
 
     def write(self, start: int, values: torch.Tensor) -> None:
         flat = values.detach().reshape(-1)
         self.tensor[start:start + flat.numel()].copy_(flat)
+
+
+def reads_into_device(out: torch.Tensor) -> bool:
+    """Whether copying host memory into ``out`` crosses to an accelerator."""
+    return out.device.type != "cpu"
 
 
 def host_tensor(values: torch.Tensor, *, pin: bool) -> torch.Tensor:

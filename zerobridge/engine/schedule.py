@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from torch import nn
 
 from zerobridge.engine.flat_group import FlatGroup, GatherState
+from zerobridge.engine.streams import Streams
 
 __all__ = ["Order", "Residency", "Unit"]
 
@@ -95,22 +96,37 @@ class Residency:
     budgets of prefetching (``max_live_parameters``, ``max_inflight_gathers``) are
     read in constant time."""
 
-    def __init__(self, groups: Sequence[FlatGroup]) -> None:
+    def __init__(self, groups: Sequence[FlatGroup], streams: Streams) -> None:
         self.live = sum(g.gathered_numel for g in groups)
         self.inflight: set[int] = set()
+        self.streams = streams
+        self.marks: dict[int, Any] = {}
+        """Per unit in flight: the gather stream's event after its copy-in and all-gather."""
 
     def gather(self, unit: Unit, *, backward: bool) -> None:
-        """Issue the all-gathers of ``unit`` that are not there or on their way."""
+        """Issue the all-gathers of ``unit`` that are not there or on their way (on the
+        gather stream; its buffers are handed to the compute stream by ``wait``)."""
         before = sum(g.gathered_numel for g in unit.groups)
-        for group in unit.groups:
-            group.unshard(backward=backward)
-        self.live += sum(g.gathered_numel for g in unit.groups) - before
+        issued = False
+        with self.streams.on("gather"):
+            for group in unit.groups:
+                if group.state is GatherState.SHARDED:
+                    issued = True
+                    if backward:
+                        self.streams.lend("gather", group.secondary)
+                    group.unshard(backward=backward, async_op=not self.streams.overlaps)
+            if issued:
+                self.marks[unit.index] = self.streams.mark("gather")
         if any(g.state is GatherState.GATHERING for g in unit.groups):
             self.inflight.add(unit.index)
+        self.live += sum(g.gathered_numel for g in unit.groups) - before
 
     def wait(self, unit: Unit) -> None:
+        """The compute stream may use ``unit``'s gathered parameters from here on."""
         for group in unit.groups:
             group.wait_unshard()
+        if unit.index in self.marks:
+            self.streams.use(self.marks.pop(unit.index), *(g.full for g in unit.groups if g.gathered_numel))
         self.inflight.discard(unit.index)
 
     def free(self, unit: Unit, groups: Sequence[FlatGroup], *, keep_secondary: bool) -> None:
@@ -121,6 +137,7 @@ class Residency:
         self.live -= before - sum(g.gathered_numel for g in groups)
         if all(g.state is not GatherState.GATHERING for g in unit.groups):
             self.inflight.discard(unit.index)
+            self.marks.pop(unit.index, None)
 
     def is_sharded(self, unit: Unit) -> bool:
         return all(g.state is GatherState.SHARDED for g in unit.groups)
