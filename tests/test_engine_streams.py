@@ -105,8 +105,9 @@ def check_reductions(seg: Log, *, hybrid: bool) -> None:
         previous = i
     across = [i for i, e in enumerate(seg) if e[0] == "all_reduce" and e[1] == "replicate"]
     assert len(across) == (len(scatters) if hybrid else 0)
-    for i in across:
-        assert ("wait_stream", "replicate", "reduce") in seg[:i] and seg[i][4] is False
+    for i in across:  # after the event the reduce stream recorded behind a reduce-scatter
+        scattered = {seg[k + 1][2] for k in scatters if k < i and seg[k + 1][:2] == ("record", "reduce")}
+        assert any(e[:2] == ("wait_event", "replicate") and e[2] in scattered for e in seg[:i]) and seg[i][4] is False
     control = [i for i, e in enumerate(seg) if e[0] == "all_reduce" and e[1] == "compute"]
     assert len(control) == 1, [seg[i] for i in control]
     for stream in ("reduce", "replicate"):

@@ -76,6 +76,7 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
             work = collectives.all_reduce(y, mesh.replicate, group.stats, async_op=in_flight)
         else:
             work = collectives.reduce_scatter(y, x, mesh.reduce, group.stats, async_op=in_flight)
+        scattered = streams.mark("reduce")
     across_replicas = layout.shards > 1 and mesh.replicas > 1
     assert group.grad_store is not None
     dst = group.grad_store[bucket.in_shard if plan.shard_grads else bucket.piece_of(r)]
@@ -89,7 +90,7 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
         if not across_replicas:
             return store()
         with streams.on("replicate"):  # the reduced piece, summed over the replica groups
-            streams.after("replicate", "reduce")
+            streams.follow("replicate", scattered)
             streams.lend("replicate", y)
             across = collectives.all_reduce(y, mesh.replicate, group.stats, async_op=in_flight)
         return Reduction(across, store, "replicate")

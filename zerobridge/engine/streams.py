@@ -21,9 +21,13 @@ On CUDA, as FSDP2 does, an engine runs three side streams beside the compute
 - ``reduce``: a bucket's gradient cast, division and reduce-scatter (or the
   stage-0 all-reduce), after an event that says the gradient is computed.
 - ``replicate``: the hybrid all-reduce of a landed reduce-scatter across
-  replica groups, so the next reduce-scatter is not queued behind it.
+  replica groups (after the ``reduce`` stream's event for that reduce-scatter),
+  so the next reduce-scatter is not queued behind it.
 
-The compute stream never waits for a collective it does not consume: a
+On a side stream a collective is issued in order (``async_op=False``): NCCL
+then makes that stream wait, not the host, and the stream's own order keeps
+the buffers it allocated safe, as in FSDP2. The compute stream never waits
+for a collective it does not consume: a
 forward or backward pass begins with the side streams waiting for the compute
 stream once (``begin_pass``: the optimizer's updates are visible to the next
 gathers), and the end of backward makes the compute stream wait for the two
@@ -152,11 +156,6 @@ class Streams:
         """``role``'s stream waits for ``mark`` (from ``mark``)."""
         if self.backend is not None:
             self.backend.wait_event(self.side[role], mark)
-
-    def after(self, role: Role, first: Role) -> None:
-        """``role``'s stream waits for the work issued so far on ``first``'s."""
-        if self.backend is not None:
-            self.backend.wait_stream(self.side[role], self.side[first])
 
     def use(self, mark: Any, *tensors: torch.Tensor | None) -> None:
         """The compute stream waits for ``mark`` and takes over ``tensors``, allocated on a
