@@ -1,6 +1,6 @@
 """``precision.compute_copy`` through every translator: each flavor's readers set its layout
 (DeepSpeed stored; FSDP1, FSDP2, torchtitan, DDP under autocast gathered) and report it,
-writers report the other layout as approximated, and the corpus reads the same way.
+writers report the other layout as equivalent (same numbers, other memory), and the corpus reads the same way.
 No process group."""
 
 from __future__ import annotations
@@ -114,13 +114,13 @@ def test_torchtitan_reads_as_gathered() -> None:
 @pytest.mark.parametrize("target", sorted(FLAVOR_TARGETS))
 @pytest.mark.parametrize("layout", ["stored", "gathered"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_writers_report_the_other_layout_as_approximated(target: str, layout: str, dtype: str) -> None:
+def test_writers_report_the_other_layout_as_equivalent(target: str, layout: str, dtype: str) -> None:
     report = write(spec(dtype, layout), target).report
     entries = layout_entries(report)
     if FLAVOR_TARGETS[target] == layout:
         assert entries == []
     else:
-        assert [e.status for e in entries] == [Status.APPROXIMATED], entries
+        assert [e.status for e in entries] == [Status.EQUIVALENT], entries
         assert f"written as {FLAVOR_TARGETS[target]}" in entries[0].note
 
 
@@ -137,7 +137,7 @@ def test_lightning_choice_does_not_follow_the_layout(stage: int) -> None:
     kept = "stored" if cls == "DeepSpeedStrategy" else "gathered"
     for t, layout in ((stored, "stored"), (gathered, "gathered")):
         entries = layout_entries(t.report)
-        assert [e.status for e in entries] == ([] if layout == kept else [Status.APPROXIMATED]), (cls, entries)
+        assert [e.status for e in entries] == ([] if layout == kept else [Status.EQUIVALENT]), (cls, entries)
         assert not [e for e in t.report if e.status is Status.NOT_EXPRESSIBLE and "compute_copy" in e.key]
 
 
@@ -186,6 +186,6 @@ def test_every_corpus_file_reads_its_flavors_layout(tmp_path: Path) -> None:
             entries = layout_entries(write(t.value, target).report)
             # raw FSDP has no launcher: "auto" is written as the loaded fp32, one copy
             other = kept != layout and not (p.param_dtype == "auto" and target in ("fsdp1", "fsdp2"))
-            assert [e.status for e in entries] == ([Status.APPROXIMATED] if other else []), \
+            assert [e.status for e in entries] == ([Status.EQUIVALENT] if other else []), \
                 (path.name, target, entries)
     assert mixed.get("stored", 0) >= 10 and mixed.get("gathered", 0) >= 5, mixed

@@ -5,7 +5,10 @@ keeps 16-bit parameters at rest beside fp32 master partitions (``stored``); FSDP
 FSDP2 and autocast-based DDP keep the fp32 parameters as the master and cast a
 16-bit copy only while a unit is gathered or an op runs (``gathered``). Readers
 set the flavor's layout; writers report a spec asking for the other one as
-approximated (the numbers agree to the bit, the memory layout does not).
+equivalent: the numbers agree to the bit (the 16-bit copy is the cast of the
+fp32 master either way), only where the copy lives, and so the memory, differs.
+No flavor has a knob for it, so it neither fails ``--strict`` nor makes the
+FSDP2 or DeepSpeed backends refuse a spec.
 
     >>> from zerobridge.spec import PrecisionSpec
     >>> from zerobridge.translate.report import Report
@@ -13,7 +16,7 @@ approximated (the numbers agree to the bit, the memory layout does not).
     >>> write_compute_copy(report, PrecisionSpec(param_dtype="bf16", compute_copy="gathered"), "deepspeed",
     ...                    target="bf16")
     >>> [(e.key, e.status.value) for e in report]
-    [('precision.compute_copy', 'approximated')]
+    [('precision.compute_copy', 'equivalent')]
 """
 
 from __future__ import annotations
@@ -55,12 +58,12 @@ def note_layout(report: Report, flavor: Flavor, *, key: str) -> ComputeCopy:
 
 
 def write_compute_copy(report: Report, precision: PrecisionSpec, flavor: Flavor, *, target: str) -> None:
-    """Report ``precision.compute_copy`` as approximated when ``flavor`` keeps
+    """Report ``precision.compute_copy`` as equivalent when ``flavor`` keeps
     the other layout; nothing when it matches or there is one copy."""
     if not precision.mixed and precision.param_dtype != "auto":
         return
     layout, why = LAYOUTS[flavor]
     if precision.compute_copy != layout:
-        report.add("precision.compute_copy", Status.APPROXIMATED, f"{why}: written as {layout} (the spec says "
-                   f"{precision.compute_copy}); the numbers agree to the bit, the memory layout differs: "
-                   "zerobridge explain shows both", target=target)
+        report.add("precision.compute_copy", Status.EQUIVALENT, f"{why}: written as {layout} (the spec says "
+                   f"{precision.compute_copy}); the numbers agree to the bit, only the memory layout differs "
+                   "(zerobridge explain shows both)", target=target)
