@@ -6,8 +6,10 @@
     >>> [p.grad.shape for p in model.parameters()]
     [torch.Size([2, 4]), torch.Size([2])]
 
-Calls go one way: the hooks here drive units, units drive flat groups
-(``flat_group.py``), flat groups issue collectives (``collectives.py``).
+Calls go one way: the hooks here drive units (``schedule.py`` gathers them,
+``reducing.py`` reduces their buckets), units drive flat groups
+(``flat_group.py``), flat groups issue collectives (``collectives.py``). On
+CUDA the gathers and reductions run on side streams (``streams.py``).
 
 [Note: life of a step]
 forward  root pre-hook: cast inputs, show the replicated group's views.
