@@ -241,8 +241,7 @@ def explain(
     opt_tier = TIERS[opt.device] if opt.enabled else None
     mixed = mdt is not pdt
     # FSDP's layout where the engine runs it: the sharded fp32 parameters are the master.
-    gathered = (mixed and prec.compute_copy == "gathered" and s.parameters.sharded_at_rest
-                and not opt.enabled and not spec.offload.parameters.enabled)
+    gathered = spec.gathers_compute_copy and s.parameters.sharded_at_rest
     if mixed and prec.compute_copy == "gathered" and not gathered:
         why = "parameters are replicated at rest" if not s.parameters.sharded_at_rest else "an offload tier is on"
         notes.append(f"compute_copy 'gathered': {why}, so the 16-bit copy is stored beside the fp32 master")

@@ -49,10 +49,8 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
     shard_at = offload.parameters if sharding.sharded_at_rest else ON_DEVICE
     mixed = plan.master_dtype != plan.compute_dtype
     master_at = offload.optimizer if trainable else shard_at
-    # FSDP's layout: the shard is the master, cast at each gather (not with an offload tier:
-    # there the shard and the master live apart, DeepSpeed's way).
-    gathered = (mixed and plan.spec.precision.compute_copy == "gathered" and sharding.sharded_at_rest
-                and shard_at.home is Home.DEVICE and master_at.home is Home.DEVICE)
+    # FSDP's layout: the shard is the master, cast at each gather.
+    gathered = plan.spec.gathers_compute_copy and sharding.sharded_at_rest
     separate = mixed and not gathered
     if trainable:
         separate = separate or shard_at.home is not Home.DEVICE or master_at.home is Home.HOST

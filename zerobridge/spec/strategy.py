@@ -76,6 +76,15 @@ class StrategySpec(SpecModel):
             raise ValueError("offload.optimizer.ratio < 1 needs offload.optimizer.device 'cpu' or 'nvme'")
         return self
 
+    @property
+    def gathers_compute_copy(self) -> bool:
+        """Whether parameters sharded at rest keep FSDP's layout (``precision.compute_copy``
+        ``"gathered"``: the fp32 shard is the master, the 16-bit copy cast at each gather).
+        Only with mixed precision and no offload tier: a tier keeps the shard and the master
+        apart, DeepSpeed's way. The engine and ``explain`` both follow this."""
+        p, o = self.precision, self.offload
+        return p.mixed and p.compute_copy == "gathered" and not o.optimizer.enabled and not o.parameters.enabled
+
     def summary(self) -> str:
         """One line: stage, parameter timing, group, offload, compute dtype."""
         s = self.sharding
