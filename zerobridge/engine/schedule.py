@@ -115,7 +115,7 @@ class Residency:
                     if backward:
                         self.streams.lend("gather", group.secondary)
                     group.unshard(backward=backward, async_op=not self.streams.overlaps)
-            if issued:
+            if issued and self.streams.overlaps:  # without streams there is nothing to wait for
                 self.marks[unit.index] = self.streams.mark("gather")
         if any(g.state is GatherState.GATHERING for g in unit.groups):
             self.inflight.add(unit.index)

@@ -153,7 +153,7 @@ class Streams:
         return self.backend.record_event(self.side[role] if role else self.backend.current())
 
     def follow(self, role: Role, mark: Any) -> None:
-        """``role``'s stream waits for ``mark`` (from ``mark``)."""
+        """``role``'s stream waits for ``mark`` (an event from ``mark``)."""
         if self.backend is not None:
             self.backend.wait_event(self.side[role], mark)
 
