@@ -40,7 +40,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 def _configs(folder: Path) -> list[Path]:
     """Spec files: ``<dtype>-<layout>-z<stage>``."""
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
     from zerobridge.spec import DynamicLossScale, PrecisionSpec
 
     paths = []

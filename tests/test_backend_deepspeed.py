@@ -54,7 +54,7 @@ BF16_RTOL = 2**-7  # bf16's epsilon: rounding differences (DeepSpeed accumulates
 
 def _spec(stage: int, *, dtype: str = "fp32", accumulation: int = 1, offload: dict[str, Any] | None = None,
           spec_clip: float | None = None) -> StrategySpec:
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
 
     spec = spec_for_stage(stage, ParityNet(0))
     data = spec.dump()

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerobridge.api import spec_for_stage
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.backends.fsdp_apply import plan_units
 from zerobridge.backends.fsdp_plan import assess
 from zerobridge.spec import (
@@ -163,7 +163,7 @@ def test_launch_refuses_what_fsdp_cannot_run(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_allow_approximate_comes_from_the_argument_then_the_environment() -> None:
-    from zerobridge.backends import resolve_allow_approximate
+    from zerobridge.env import resolve_allow_approximate
 
     assert resolve_allow_approximate(None, env={}) is False
     assert resolve_allow_approximate(None, env={"ZEROBRIDGE_ALLOW_APPROXIMATE": "1"}) is True

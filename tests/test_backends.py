@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import zerobridge
-from zerobridge.backends import backend_of, resolve_backend
+from zerobridge.backends import backend_of
+from zerobridge.env import resolve_backend
 from zerobridge.errors import ConfigError
 
 

@@ -366,7 +366,7 @@ def test_state_in_nvme_files_saves_and_loads(clusters: dict[int, Cluster], saved
     """Load into an engine whose master values and optimizer state live in swap files,
     save from it, and resume that save without offload: every run goes through the
     access functions, never the files directly."""
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
 
     (tmp_path / "swap").mkdir()
     spec = nvme(spec_for_stage(3, ParityNet()), tmp_path / "swap")

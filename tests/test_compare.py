@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from zerobridge.api import spec_for_stage
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.cli import main
 from zerobridge.compare import Comparison, Planned, RunOutcome, Skipped, plan
 from zerobridge.compare.report import relative

@@ -117,7 +117,7 @@ def ds_meta_state(*, model: str, stage: int, dtype: str = "fp32") -> dict[str, A
     """On every rank: ``model`` built on meta from seed 0, prepared on DeepSpeed (with the optimizer
     DeepSpeed needs); its full state, and what this rank holds of each parameter (numel)."""
     import zerobridge
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
     from zerobridge.testing.deferred import BUILDERS
 
     torch.manual_seed(0)

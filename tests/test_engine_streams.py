@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from zerobridge.api import spec_for_stage
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.engine.offload import HostRegion
 from zerobridge.spec import ShardingSpec, StrategySpec
 from zerobridge.testing.cluster import Cluster, clusters

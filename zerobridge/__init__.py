@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from zerobridge._version import __version__
+
 __all__ = ["clip_grad_norm_", "full_state_dict", "load_checkpoint", "load_pretrained", "prepare", "reset_stats",
            "save_checkpoint", "save_full", "stats"]
 _CHECKPOINT = frozenset({"load_checkpoint", "save_checkpoint", "save_full"})

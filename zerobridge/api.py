@@ -32,14 +32,14 @@ from zerobridge.engine import Engine, plan_engine
 from zerobridge.engine.compiling import apply_compile, check_compile, is_compiled_wrapper, unwrap_compiled
 from zerobridge.engine.materialize import agree_generator, materialize_engine
 from zerobridge.engine.mesh import build_mesh
+from zerobridge.env import choice_from_env, resolve_allow_approximate, resolve_backend, resolve_compile
 from zerobridge.errors import ConfigError
 from zerobridge.init.replay import Replay, is_meta_model
-from zerobridge.spec import BatchSpec, CommunicationSpec, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
+from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import spec_for_stage
 
 __all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "refuse_moving", "reset_stats",
            "spec_for_stage", "stats"]
-
-CONFIG_ENV = "ZEROBRIDGE_CONFIG"
 
 InitFn = Callable[[nn.Module], object]
 
@@ -91,29 +91,6 @@ def refuse_moving(model: nn.Module, engine: Engine, fn: Callable[[torch.Tensor],
 _CLASSES: dict[type, type] = {}
 
 
-def spec_for_stage(stage: int, model: nn.Module | None = None) -> StrategySpec:
-    """DeepSpeed's ZeRO ``stage`` with the spec's defaults.
-
-    Stages 0 and 1 reduce at the accumulation boundary only (as DeepSpeed
-    does). Stage 3 is cut into one unit per transformer layer when the model
-    names its layers (``_no_split_modules``), else one per module with
-    parameters (DeepSpeed's fetching scheme), and prefetches one unit ahead as
-    FSDP2 does: DeepSpeed's 5e7-element prefetch bucket would gather every unit
-    of a model smaller than that at the start of backward, with no ZeRO-3
-    saving left (a DeepSpeed config keeps its own bucket).
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"stage={stage!r} is not a ZeRO stage", key="stage", fix="choose 0, 1, 2 or 3")
-    sync = GradSync.ACCUMULATION_BOUNDARY if stage <= 1 else GradSync.EVERY_MICRO_STEP
-    wrap: Any = RootWrap()
-    communication = CommunicationSpec()
-    if stage == 3:
-        wrap = TransformerWrap() if getattr(model, "_no_split_modules", None) else EveryModuleWrap()
-        communication = CommunicationSpec(prefetch_bucket="per_unit")
-    return StrategySpec(name=f"stage{stage}", sharding=ShardingSpec.for_stage(stage),
-                        batch=BatchSpec(grad_sync=sync), wrapping=wrap, communication=communication)
-
-
 def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
                  config: str | Path | dict[str, Any] | StrategySpec | None) -> StrategySpec:
     """The spec the arguments (or ``ZEROBRIDGE_CONFIG``) name."""
@@ -129,12 +106,10 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
         return load(strategy).value
     if config is not None:
         return load(config).value
-    value = os.environ.get(CONFIG_ENV)
-    if not value:
+    chosen = choice_from_env()
+    if chosen is None:
         return spec_for_stage(0, model)
-    from zerobridge.launch import decode_choice
-
-    kind, choice = decode_choice(value)
+    kind, choice = chosen
     if kind == "stage":
         return spec_for_stage(int(choice), model)
     return load(str(choice)).value
@@ -199,8 +174,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     else the spec). A model ``torch.compile`` returned may be passed too: the
     module inside is sharded and the compiled wrapper returned (docs/compile.md).
     """
-    from zerobridge.backends import resolve_allow_approximate, resolve_backend, resolve_compile
-
     chosen = resolve_backend(backend)
     approximate = resolve_allow_approximate(allow_approximate)
     compiling = resolve_compile(compile)

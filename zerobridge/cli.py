@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zerobridge import __version__
+from zerobridge._version import __version__
 from pydantic import ValidationError
 
 from zerobridge.errors import ConfigError, from_validation_error

@@ -1,33 +1,31 @@
 """``zerobridge run``: start a training script under ``torch.distributed.run``.
 
-    >>> from zerobridge.launch import decode_choice, encode_choice
-    >>> encode_choice(config=None, stage=3, strategy=None)
-    'stage:3'
-    >>> decode_choice("strategy:zero2-offload")
-    ('strategy', 'zero2-offload')
-    >>> decode_choice("1")
-    ('stage', 1)
-
 On the command line::
 
     zerobridge run --nproc 4 --stage 3 train.py --lr 3e-4
     zerobridge run --standalone --nproc 2 --config ds_config.json -m mypkg.train
     zerobridge run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --strategy zero3-offload train.py
 
+    >>> from zerobridge.launch import add_run_arguments, launch_env
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(prog="zerobridge run")
+    >>> add_run_arguments(parser)
+    >>> args = parser.parse_args(["--stage", "3", "--backend", "fsdp", "train.py", "--lr", "3e-4"])
+    >>> args.script, args.script_args
+    ('train.py', ['--lr', '3e-4'])
+    >>> env = launch_env(args, base={})
+    >>> env["ZEROBRIDGE_CONFIG"], env["ZEROBRIDGE_BACKEND"]
+    ('stage:3', 'fsdp')
+
 Flags before the script belong to the launcher and become ``torchrun`` flags
 (only those given are passed); the script and everything after it are passed
-through untouched. The strategy the user chose reaches every worker in one
-environment variable, ``ZEROBRIDGE_CONFIG``, whose grammar this module owns:
-
-    ``stage:N``            a ZeRO stage, N in 0..3
-    ``strategy:NAME``      a registry name or alias (``zerobridge strategies``)
-    ``config:/abs/path``   a config file (DeepSpeed JSON, Accelerate YAML, ...)
-
-A bare value is read as a config when it names an existing file, as a stage
-when it is an integer 0..3, and as a strategy name otherwise. The backend
-choice travels in ``ZEROBRIDGE_BACKEND``, ``--allow-approximate`` in
+through untouched. The strategy the user chose reaches every worker in
+``ZEROBRIDGE_CONFIG`` (its grammar: ``zerobridge.env``), the backend in
+``ZEROBRIDGE_BACKEND``, ``--allow-approximate`` in
 ``ZEROBRIDGE_ALLOW_APPROXIMATE=1``, ``--compile`` in ``ZEROBRIDGE_COMPILE=1``.
-The strategy and backend are checked before anything is started: a config that does not load is a ``ConfigError`` (exit 2).
+The strategy and backend are checked before anything is started
+(``backends/preflight.py``): a config that does not load, or a spec the
+backend cannot run, is a ``ConfigError`` (exit 2).
 """
 
 from __future__ import annotations
@@ -40,22 +38,17 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
-from zerobridge.backends.base import APPROXIMATE_ENV as ENV_APPROXIMATE
-from zerobridge.backends.base import COMPILE_ENV as ENV_COMPILE
-from zerobridge.backends.base import BACKEND_ENV as ENV_BACKEND
-from zerobridge.backends.base import BACKENDS
+from zerobridge import env as zenv
+from zerobridge.backends.preflight import preflight
+from zerobridge.env import BACKENDS, encode_choice
 from zerobridge.errors import ConfigError
+from zerobridge.loading import load as load_spec
+from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import STAGES, spec_for_stage
 
-__all__ = ["BACKENDS", "ENV_APPROXIMATE", "ENV_BACKEND", "ENV_COMPILE", "ENV_CONFIG", "STAGES", "ChoiceKind", "add_run_arguments",
-           "choice_from_env", "decode_choice", "encode_choice", "launch", "launch_env", "torchrun_command",
-           "validate"]
-
-ENV_CONFIG = "ZEROBRIDGE_CONFIG"
-STAGES = (0, 1, 2, 3)
-
-ChoiceKind = Literal["stage", "strategy", "config"]
+__all__ = ["add_run_arguments", "launch", "launch_env", "torchrun_command", "validate"]
 
 # (argparse dest, torchrun flag) for every launcher option that takes a value.
 _VALUE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -69,66 +62,6 @@ _VALUE_FLAGS: tuple[tuple[str, str], ...] = (
     ("rdzv_id", "--rdzv-id"),
     ("max_restarts", "--max-restarts"),
 )
-
-
-def _stage(text: str | int, key: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"a ZeRO stage is an integer 0-3, got {text!r}", key=key) from None
-    if value not in STAGES:
-        raise ConfigError(f"a ZeRO stage is 0, 1, 2 or 3, got {value}", key=key)
-    return value
-
-
-def encode_choice(*, config: str | os.PathLike[str] | None, stage: int | None, strategy: str | None) -> str | None:
-    """The ``ZEROBRIDGE_CONFIG`` value for one choice; None when nothing was chosen.
-
-    Config paths are made absolute, so workers started in another directory
-    find the same file.
-    """
-    given = [flag for flag, value in (("--config", config), ("--stage", stage), ("--strategy", strategy))
-             if value is not None]
-    if len(given) > 1:
-        raise ConfigError(f"choose one of --config, --stage and --strategy, not {' and '.join(given)}",
-                          fix="keep one; a config file or strategy name already fixes the stage")
-    if config is not None:
-        return f"config:{os.path.abspath(os.path.expanduser(os.fspath(config)))}"
-    if stage is not None:
-        return f"stage:{_stage(stage, '--stage')}"
-    if strategy is not None:
-        if not strategy.strip():
-            raise ConfigError("--strategy needs a name", fix="`zerobridge strategies` lists the names")
-        return f"strategy:{strategy.strip()}"
-    return None
-
-
-def decode_choice(value: str) -> tuple[ChoiceKind, str | int]:
-    """``("stage", 3)``, ``("strategy", "zero3")`` or ``("config", "/abs/path.json")``."""
-    text = value.strip()
-    kind, sep, rest = text.partition(":")
-    if sep and kind in ("stage", "strategy", "config"):
-        rest = rest.strip()
-        if not rest:
-            raise ConfigError(f"{kind!r} needs a value after the colon, got {value!r}", key=ENV_CONFIG)
-        if kind == "stage":
-            return "stage", _stage(rest, ENV_CONFIG)
-        if kind == "config":
-            return "config", os.path.abspath(os.path.expanduser(rest))
-        return "strategy", rest
-    if not text:
-        raise ConfigError("empty value", key=ENV_CONFIG, fix="use stage:N, strategy:NAME or config:/path")
-    if os.path.isfile(os.path.expanduser(text)):
-        return "config", os.path.abspath(os.path.expanduser(text))
-    if text.isdigit() and int(text) in STAGES:
-        return "stage", int(text)
-    return "strategy", text
-
-
-def choice_from_env(environ: Mapping[str, str] | None = None) -> tuple[ChoiceKind, str | int] | None:
-    """The decoded ``ZEROBRIDGE_CONFIG`` of this process (or ``environ``); None when unset or empty."""
-    value = (os.environ if environ is None else environ).get(ENV_CONFIG, "")
-    return decode_choice(value) if value.strip() else None
 
 
 def _nproc(text: str) -> str:
@@ -205,59 +138,47 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training script (or module with -m), then its arguments, passed untouched")
 
 
+def _world(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(world size, ranks per node) when the launcher flags fix them, else None for what they leave open."""
+    nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
+    nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
+    return (nproc * nnodes if nproc is not None and nnodes is not None else None), nproc
+
+
 def validate(args: argparse.Namespace) -> None:
     """Raise ``ConfigError`` when the launch would fail: before any process starts."""
     encode_choice(config=args.config, stage=args.stage, strategy=args.strategy)
+    if args.backend is not None and args.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {args.backend!r}", key="--backend", fix=f"one of {', '.join(BACKENDS)}")
     spec = None
     if args.config is not None:
         path = Path(args.config).expanduser()
         if not path.is_file():
             raise ConfigError("config file not found", source=args.config, key="--config",
                               fix="check the path; for a registry name use --strategy")
-        from zerobridge.loading import load
-
-        spec = load(path).value
+        spec = load_spec(path).value
     elif args.strategy is not None:
-        from zerobridge.loading import load
-
-        spec = load(args.strategy).value
+        spec = load_spec(args.strategy).value
+    elif args.stage is not None and args.backend in ("fsdp", "deepspeed"):
+        spec = spec_for_stage(int(args.stage))  # FSDP2 and DeepSpeed cannot run every stage: check it too
     if spec is not None and getattr(args, "compile", False):
         spec = spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": True})})
-    if spec is not None and args.backend in (None, "native"):
-        from zerobridge.engine.plan import check_runnable
-
-        nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
-        nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
-        world = nproc * nnodes if nproc is not None and nnodes is not None else None
-        try:
-            check_runnable(spec, world_size=world, local_world_size=nproc)
-        except ConfigError as exc:
-            raise ConfigError(exc.message, source=args.config or args.strategy, key=exc.key, fix=exc.fix) from None
-    if args.backend is not None and args.backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {args.backend!r}", key="--backend", fix=f"one of {', '.join(BACKENDS)}")
-    if args.backend == "fsdp" and spec is None and args.stage is not None:
-        from zerobridge.api import spec_for_stage
-
-        spec = spec_for_stage(int(args.stage))  # FSDP2 cannot run every stage: check it too
-    if args.backend in ("fsdp", "deepspeed") and spec is not None:
+    if spec is not None:
         _preflight(args, spec)
     if not args.module and not Path(args.script).is_file():
         raise ConfigError("training script not found", source=args.script,
                           fix="check the path; use -m to run a module by name")
 
 
-def _preflight(args: argparse.Namespace, spec: Any) -> None:
-    """Refuse before launching what the chosen backend cannot run exactly (unless
+def _preflight(args: argparse.Namespace, spec: StrategySpec) -> None:
+    """Refuse before launching what the chosen backend cannot run (exactly, unless
     ``--allow-approximate``); checks that need the world size are skipped when the launcher
     cannot tell it."""
-    from zerobridge.backends.preflight import preflight
-
-    nproc = int(args.nproc) if str(args.nproc or "").isdigit() else None
-    nnodes = int(args.nnodes or "1") if str(args.nnodes or "1").isdigit() else None
-    world = nproc * nnodes if nproc and nnodes else None
+    world, nproc = _world(args)
+    backend = args.backend or "native"
     allow = bool(getattr(args, "allow_approximate", False))
     try:
-        found = preflight(args.backend, spec, world_size=world, local_world_size=nproc, allow_approximate=allow)
+        found = preflight(backend, spec, world_size=world, local_world_size=nproc, allow_approximate=allow)
     except ConfigError as exc:
         source = args.config or args.strategy or (f"--stage {args.stage}" if args.stage is not None else None)
         approximate = "allow_approximate" in (exc.fix or "")
@@ -265,7 +186,7 @@ def _preflight(args: argparse.Namespace, spec: Any) -> None:
                "form") if approximate else exc.fix
         raise ConfigError(exc.message, source=source, key=exc.key, fix=fix) from None
     for entry in found:
-        print(f"zerobridge: warning: --allow-approximate: {args.backend} runs {entry.key} approximately: {entry.note}",
+        print(f"zerobridge: warning: --allow-approximate: {backend} runs {entry.key} approximately: {entry.note}",
               file=sys.stderr)
 
 
@@ -291,13 +212,13 @@ def launch_env(args: argparse.Namespace, base: Mapping[str, str] | None = None) 
     env = dict(os.environ if base is None else base)
     choice = encode_choice(config=args.config, stage=args.stage, strategy=args.strategy)
     if choice is not None:
-        env[ENV_CONFIG] = choice
+        env[zenv.CONFIG] = choice
     if args.backend is not None:
-        env[ENV_BACKEND] = args.backend
+        env[zenv.BACKEND] = args.backend
     if getattr(args, "allow_approximate", False):
-        env[ENV_APPROXIMATE] = "1"
+        env[zenv.ALLOW_APPROXIMATE] = "1"
     if getattr(args, "compile", False):
-        env[ENV_COMPILE] = "1"
+        env[zenv.COMPILE] = "1"
     return env
 
 

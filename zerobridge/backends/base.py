@@ -1,16 +1,9 @@
 """What every backend gives the user's loop, whichever engine runs underneath.
 
-    >>> from zerobridge.backends.base import BACKENDS, resolve_allow_approximate, resolve_backend, resolve_compile
-    >>> BACKENDS
-    ('native', 'fsdp', 'deepspeed')
-    >>> resolve_backend(None, env={})
-    'native'
-    >>> resolve_backend(None, env={"ZEROBRIDGE_BACKEND": "fsdp"})
-    'fsdp'
-    >>> resolve_allow_approximate(None, env={"ZEROBRIDGE_ALLOW_APPROXIMATE": "1"})
-    True
-    >>> resolve_compile(None, env={}), resolve_compile(None, env={"ZEROBRIDGE_COMPILE": "1"})
-    (None, True)
+    >>> import torch
+    >>> from zerobridge.backends.base import is_prepared
+    >>> is_prepared(torch.nn.Linear(2, 2))
+    False
 
 ``zerobridge.prepare(..., backend=...)`` builds one ``Backend`` and attaches
 it to the model; ``clip_grad_norm_``, ``full_state_dict``, ``stats``,
@@ -21,9 +14,7 @@ user's loop (``loss.backward()``, ``optimizer.step()``,
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,51 +26,9 @@ if TYPE_CHECKING:  # importing this module stays torch-free (the launcher reads 
 
     from zerobridge.pretrained.targets import Target
 
-__all__ = ["APPROXIMATE_ENV", "BACKENDS", "BACKEND_ENV", "COMPILE_ENV", "Backend", "attach", "backend_of", "is_prepared",
-           "resolve_allow_approximate", "resolve_backend", "resolve_compile"]
+__all__ = ["Backend", "attach", "backend_of", "is_prepared"]
 
-BACKENDS = ("native", "fsdp", "deepspeed")
-BACKEND_ENV = "ZEROBRIDGE_BACKEND"
-APPROXIMATE_ENV = "ZEROBRIDGE_ALLOW_APPROXIMATE"
-COMPILE_ENV = "ZEROBRIDGE_COMPILE"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _ATTRIBUTE = "_zerobridge_backend"
-
-
-def resolve_backend(given: str | None, *, env: Mapping[str, str] | None = None) -> str:
-    """The backend: the argument, else ``$ZEROBRIDGE_BACKEND``, else ``native``."""
-    environ = os.environ if env is None else env
-    value = given if given is not None else environ.get(BACKEND_ENV) or "native"
-    if value not in BACKENDS:
-        source = "backend" if given is not None else BACKEND_ENV
-        raise ConfigError(f"{source}={value!r} is not a backend", key=source,
-                          fix=f"choose one of {', '.join(BACKENDS)}")
-    return value
-
-
-def resolve_allow_approximate(given: bool | None, *, env: Mapping[str, str] | None = None) -> bool:
-    """The argument, else ``$ZEROBRIDGE_ALLOW_APPROXIMATE`` (``zerobridge run --allow-approximate``
-    sets it to 1), else False."""
-    return given if given is not None else bool(_env_flag(APPROXIMATE_ENV, env))
-
-
-def resolve_compile(given: bool | None, *, env: Mapping[str, str] | None = None) -> bool | None:
-    """Whether to compile: the argument, else ``$ZEROBRIDGE_COMPILE`` (``zerobridge run --compile``
-    sets it to 1), else ``None`` (the spec's ``compile.enabled`` decides)."""
-    return given if given is not None else _env_flag(COMPILE_ENV, env)
-
-
-def _env_flag(name: str, env: Mapping[str, str] | None) -> bool | None:
-    """A yes/no environment variable; ``None`` when it is unset."""
-    environ = os.environ if env is None else env
-    if name not in environ:
-        return None
-    value = environ[name].strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}={value!r} is not a yes/no value", key=name, fix="set it to 1 or 0, or unset it")
 
 
 class Backend(ABC):

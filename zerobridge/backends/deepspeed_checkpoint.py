@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from zerobridge._version import __version__
 from zerobridge.backends.deepspeed_access import shape_of
 from zerobridge.checkpoint.api import metadata_json, saved_ranks
 from zerobridge.checkpoint.extras import capture_rng, restore_rng
@@ -54,8 +55,6 @@ def _group_index(backend: DeepSpeedBackend) -> dict[str, int]:
 
 def save(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, metadata: dict[str, Any] | None) -> Path:
     """Write a zerobridge checkpoint of the engine's state. Collective; rank 0 writes."""
-    from zerobridge import __version__
-
     metadata_json(metadata)  # refuse bad metadata on every rank, before any collective
     model = backend.full_state_dict()
     optimizer: dict[str, dict[str, torch.Tensor]] = {}

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zerobridge._version import __version__
 from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
 from zerobridge.checkpoint.extras import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, Box, model_key, optim_state_key, param_group_key, rank_key, whole
@@ -100,8 +101,6 @@ def save_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
               metadata: dict[str, Any] | None) -> Path:
     """``save_checkpoint`` on the FSDP2 backend. Collective."""
     import torch.distributed as dist
-
-    from zerobridge import __version__
 
     text = metadata_json(metadata)
     shards = _shards(backend)

@@ -1,6 +1,6 @@
 """What torch FSDP2 runs for a spec, and what it refuses: the translator's report, judged.
 
-    >>> from zerobridge.api import spec_for_stage
+    >>> from zerobridge.spec.presets import spec_for_stage
     >>> from zerobridge.backends.fsdp_plan import assess
     >>> [e.key for e in assess(spec_for_stage(3), world_size=2, local_world_size=2).approximations]
     []

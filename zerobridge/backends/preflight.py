@@ -1,6 +1,6 @@
 """Whether a backend can run a spec, decided before any process starts.
 
-    >>> from zerobridge.api import spec_for_stage
+    >>> from zerobridge.spec.presets import spec_for_stage
     >>> from zerobridge.backends.preflight import preflight
     >>> preflight("fsdp", spec_for_stage(3), world_size=2)
     []
@@ -40,6 +40,7 @@ def preflight(backend: str, spec: StrategySpec, *, world_size: int | None, local
     it are skipped (the launcher cannot always tell).
     """
     if backend == "native":
+        _native(spec, world_size, local_world_size)
         return []
     if backend == "fsdp":
         return _fsdp(spec, world_size, local_world_size, allow_approximate)
@@ -57,6 +58,12 @@ def formula_stage(backend: str, spec: StrategySpec, approximations: list[Entry])
 
         return CLOSEST_STAGE.get(spec.sharding.stage.value)
     return None
+
+
+def _native(spec: StrategySpec, world_size: int | None, local_world_size: int | None) -> None:
+    from zerobridge.engine.plan import check_runnable  # loads torch: only when the native engine is asked
+
+    check_runnable(spec, world_size=world_size, local_world_size=local_world_size)
 
 
 def _fsdp(spec: StrategySpec, world_size: int | None, local_world_size: int | None,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobridge._version import __version__
 from zerobridge.checkpoint.extras import capture_rng, layout_summary, restore_rng, restore_stepping, stepping_state
 from zerobridge.checkpoint.full import write_safetensors
 from zerobridge.checkpoint.layout import ZB, rank_key, whole
@@ -79,8 +80,6 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 def save_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None,
                 metadata: dict[str, Any] | None) -> Path:
     """``save_checkpoint`` on the native engine: every rank its own runs."""
-    from zerobridge import __version__
-
     text = metadata_json(metadata)
     pieces, blobs = engine_pieces(engine, optimizer)
     pieces += [tensor_piece(rank_key(engine.mesh.rank, name), value) for name, value in capture_rng().items()]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerobridge.backends.base import BACKENDS
+from zerobridge.env import BACKENDS
 from zerobridge.compare.report import Comparison
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
 from zerobridge.compare.tolerance import LOSS_FLOOR, NORM_FLOOR, calibrated

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerobridge.backends.base import BACKENDS
+from zerobridge.env import BACKENDS
 from zerobridge.checkpoint.storage import atomic_write_file
 from zerobridge.errors import ConfigError
 

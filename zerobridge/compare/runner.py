@@ -117,7 +117,7 @@ def after_warmup(per_step: Sequence[_T]) -> Sequence[_T]:
 
 def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: bool = False
               ) -> list[tuple[str, StrategySpec, bool]]:
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
     from zerobridge.loading import load
 
     def compiled(spec: StrategySpec) -> StrategySpec:

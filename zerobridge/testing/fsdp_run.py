@@ -45,7 +45,7 @@ class BackendRun(RunResult):
 
 
 def _spec(stage: int | None, spec: Any, model: torch.nn.Module, accumulation: int) -> Any:
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
     from zerobridge.spec import StrategySpec
 
     value = spec_for_stage(stage if stage is not None else 3, model) if spec is None else \

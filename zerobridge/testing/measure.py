@@ -124,7 +124,7 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
     ``layout`` (``precision.compute_copy``) and reduce and accumulate in the compute dtype;
     fp16 scales the loss."""
     import zerobridge
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
     from zerobridge.spec import DynamicLossScale, EveryModuleWrap, PrecisionSpec
 
     spec = spec_for_stage(stage)

@@ -166,7 +166,7 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     ``prepare``); dynamo's graph and graph-break counts are recorded per step.
     """
     import zerobridge
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = run_device()

@@ -56,7 +56,7 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range
 def native(seed: int, stage: int | None = None, spec: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """ParityNet under the native engine (``stage`` or ``spec``) with the parity AdamW."""
     import zerobridge
-    from zerobridge.api import spec_for_stage
+    from zerobridge.spec.presets import spec_for_stage
 
     model = ParityNet(seed)
     model = zerobridge.prepare(model, config=spec if spec is not None else spec_for_stage(stage or 0, model))
