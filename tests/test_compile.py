@@ -285,8 +285,8 @@ def test_a_kv_cache_in_training_is_named(one_rank: None) -> None:
 
 
 def test_compile_targets_are_the_innermost_units() -> None:
-    from zerobridge.engine.compiling import compile_targets
-    from zerobridge.engine.units import unit_modules
+    from zerobridge.runtime.compile import compile_targets
+    from zerobridge.runtime.wrap_units import unit_modules
 
     model = TwoBlocks()
     units = unit_modules(model, TransformerWrap())

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zerobridge.errors import ConfigError
-from zerobridge.init.replay import Replay, is_meta_model, plan_ops
+from zerobridge.runtime.deferred_init import Replay, is_meta_model, plan_ops
 from zerobridge.spec import OffloadSpec, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
 from zerobridge.testing.cluster import Cluster, RankError, clusters as cluster_set
 from zerobridge.testing.deferred import eager_state, meta_state

@@ -229,7 +229,7 @@ def save_and_load_under_nccl(*, path: str) -> dict[str, Any]:
     """Worker: the default group pretends to be NCCL alone; a save and a load must run
     every barrier and object collective on a gloo group."""
     import zerobridge
-    from zerobridge.engine.mesh import host_world
+    from zerobridge.distributed import host_world
     from zerobridge.testing.parity import ParityNet, batch
 
     patch = pytest.MonkeyPatch()
@@ -353,7 +353,7 @@ def save_with_own_digests(*, path: str) -> dict[str, Any]:
         loaded = zerobridge.full_state_dict(fresh)
     finally:
         patch.undo()
-    from zerobridge.engine.mesh import group_timeout
+    from zerobridge.distributed import group_timeout
 
     same = all(torch.equal(saved[k], loaded[k]) for k in saved)
     return {"hashed": hashed_on_save, "waits": waits, "same": same, "base": group_timeout().total_seconds()}

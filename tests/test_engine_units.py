@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from zerobridge.engine.collectives import CommStats, bus_bytes
+from zerobridge.runtime.comm_stats import CommStats, bus_bytes
 from zerobridge.engine.layout import plan_layout
-from zerobridge.engine.loss_scale import LossScaler
+from zerobridge.runtime.loss_scale import LossScaler
 from zerobridge.engine.mesh import layout_ranks
 from zerobridge.engine.plan import plan_engine
-from zerobridge.engine.units import collect_params, owners, unit_modules
+from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
 from zerobridge.errors import ConfigError
 from zerobridge.spec import (
     BatchSpec, DynamicLossScale, EveryModuleWrap, OffloadSpec, PrecisionSpec, ShardingSpec, SizeWrap, StrategySpec,
@@ -156,7 +156,7 @@ def test_grad_norm_does_not_depend_on_how_gradients_are_sharded() -> None:
     """The native engine and the FSDP2 backend sum per-shard parts of the norm (``norm_part``):
     accumulated in float64, splitting a 12M-element gradient into shards of any size moves the
     global norm by float64 rounding only. In float32 the split alone moved it by ~1e-4."""
-    from zerobridge.engine.step import apply_clip, norm_part
+    from zerobridge.runtime.step_rules import apply_clip, norm_part
 
     torch.manual_seed(0)
     grad = torch.randn(12_000_000) * 1e-3
@@ -219,14 +219,14 @@ def solo_group() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("name", [
-    "zerobridge.engine.collectives", "zerobridge.engine.layout", "zerobridge.engine.units",
-    "zerobridge.engine.plan", "zerobridge.engine.loss_scale", "zerobridge.engine.state", "zerobridge.engine.step",
-    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.backends.base", "zerobridge.backends.native", "zerobridge.backends.counting", "zerobridge.engine.engine",
+    "zerobridge.engine.collectives", "zerobridge.engine.layout", "zerobridge.runtime.wrap_units",
+    "zerobridge.engine.plan", "zerobridge.runtime.loss_scale", "zerobridge.engine.state", "zerobridge.engine.step",
+    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.backends.base", "zerobridge.backends.native", "zerobridge.runtime.comm_stats", "zerobridge.engine.engine",
     "zerobridge.engine.offload", "zerobridge.engine.swap", "zerobridge.engine.master", "zerobridge.api",
-    "zerobridge.testing.measure", "zerobridge.init.replay", "zerobridge.engine.materialize",
+    "zerobridge.testing.measure", "zerobridge.runtime.deferred_init", "zerobridge.engine.materialize",
     "zerobridge.pretrained.files", "zerobridge.pretrained.load", "zerobridge.pretrained.targets",
-    "zerobridge.testing.deferred", "zerobridge.testing.big_model", "zerobridge.engine.compiling",
-    "zerobridge.spec.compilation", "zerobridge.engine.schedule", "zerobridge.engine.boundary",
+    "zerobridge.testing.deferred", "zerobridge.testing.big_model", "zerobridge.runtime.compile",
+    "zerobridge.spec.compilation", "zerobridge.engine.schedule", "zerobridge.runtime.unit_wrap",
     "zerobridge.testing.lora", "zerobridge.testing.many_units", "zerobridge.distributed",
     "zerobridge.compare.tolerance", "zerobridge.testing.workloads", "zerobridge.compare.memory",
     "zerobridge.engine.handing", "zerobridge.engine.streams", "zerobridge.engine.reducing",

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import AUTO, DType, ParamSharding, Stage, StrategySpec
+from zerobridge.spec import AUTO, DType, Stage, StrategySpec
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.translate.deepspeed import read_deepspeed
 from zerobridge.translate.deepspeed_emit import write_deepspeed

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerobridge._version import __version__
+from zerobridge._version import __version__ as __version__
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "load_checkpoint", "load_pretrained", "prepare", "reset_stats",
            "save_checkpoint", "save_full", "stats"]

@@ -29,12 +29,12 @@ from torch import nn
 
 from zerobridge.distributed import init_distributed
 from zerobridge.engine import Engine, plan_engine
-from zerobridge.engine.compiling import apply_compile, check_compile, is_compiled_wrapper, unwrap_compiled
-from zerobridge.engine.materialize import agree_generator, materialize_engine
+from zerobridge.runtime.compile import apply_compile, check_compile, is_compiled_wrapper, unwrap_compiled
+from zerobridge.engine.materialize import materialize_engine
 from zerobridge.engine.mesh import build_mesh
 from zerobridge.env import choice_from_env, resolve_allow_approximate, resolve_backend, resolve_compile
 from zerobridge.errors import ConfigError
-from zerobridge.init.replay import Replay, is_meta_model
+from zerobridge.runtime.deferred_init import Replay, is_meta_model, materialize_device, replay_on_every_rank
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 
@@ -261,36 +261,6 @@ def _prepare_other(name: str, model: nn.Module, optimizer: torch.optim.Optimizer
         prepared = module.prepare(model, optimizer, spec, allow_approximate=allow_approximate, replay=replay,
                                   device=device)
     return prepared
-
-
-def materialize_device(device: torch.device | str | None) -> torch.device:
-    """Where a meta-device model materializes: ``device``, else this rank's GPU, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def replay_on_every_rank(replay: Replay, device: torch.device) -> None:
-    """Record the construction replay from rank 0's generator state on every rank
-    (so every rank produces the same values); a rank whose own state differed gets
-    it back afterwards. Collective."""
-    own = torch.get_rng_state()
-    same = agree_generator(device)
-    replay.record()
-    if not same:
-        replay.end_state = own
-        torch.set_rng_state(own)
-
-
-def engine_of(model: nn.Module) -> Engine:
-    """The engine of a prepared model; a clear error otherwise."""
-    engine = getattr(model, "_zerobridge_engine", None)
-    if engine is None:
-        raise ConfigError(f"{type(model).__name__} was not prepared", key="model",
-                          fix="call model = zerobridge.prepare(model, ...) first")
-    return engine
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

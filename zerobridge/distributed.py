@@ -16,26 +16,80 @@ FSDP2 and torchtitan do: ``init_distributed`` makes it the current device
 collectives and barriers stop landing every rank on ``cuda:0``. A model on
 the CPU under a group with no CPU path (NCCL alone) is refused: its
 collectives could not run.
+
+Host tensors (offloaded master values, a full state gathered to the host,
+checkpoint control messages) never go to a group whose backend has no CPU
+path (NCCL): ``carries_host`` tells, and ``host_world`` is the default group
+when it is gloo, else a gloo group over every rank, made once.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
-from zerobridge.engine.mesh import carries_host, group_timeout
+from zerobridge import env
 from zerobridge.errors import ConfigError
 
-__all__ = ["backend_for", "bind_device", "bound_device", "check_group_device", "init_distributed"]
+__all__ = ["backend_for", "bind_device", "bound_device", "carries_host", "check_group_device", "group_timeout", "host_world",
+           "init_distributed", "launched", "run_device"]
 
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+_HOST_WORLD: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, its gloo twin)
+
+
+def carries_host(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (default: the default group) takes CPU tensors: gloo does, NCCL alone does not."""
+    config = str(dist.get_backend_config(group))  # "cpu:gloo,cuda:nccl", "cuda:nccl", ...
+    return any(part.split(":")[0] == "cpu" for part in config.split(","))
+
+
+def host_world() -> dist.ProcessGroup:
+    """A gloo group over every rank: the default group when it is one, else a group created
+    on the first call (collective then; later calls return it)."""
+    default = dist.distributed_c10d._get_default_group()
+    if carries_host(default) and dist.get_backend(default) == "gloo":  # gloo alone: monitored barriers work
+        return default
+    for owner, twin in _HOST_WORLD:
+        if owner is default:
+            return twin
+    _HOST_WORLD.clear()  # the default group was replaced: its twin went with it
+    twin = dist.new_group(backend="gloo", timeout=group_timeout())
+    _HOST_WORLD.append((default, twin))
+    return twin
+
+
+def group_timeout() -> datetime.timedelta:
+    """How long a collective may wait for its peers before it raises.
+
+    ``ZEROBRIDGE_TIMEOUT`` (seconds) when set; else the default group's own
+    timeout (torch gives new groups 30 minutes, not the default group's).
+    """
+    if os.environ.get(env.TIMEOUT):
+        return datetime.timedelta(seconds=float(os.environ[env.TIMEOUT]))
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            try:
+                return default._get_backend(device).options._timeout  # type: ignore[attr-defined, no-any-return]
+            except (RuntimeError, AttributeError):
+                continue
+    return datetime.timedelta(seconds=600)
 
 
 def launched() -> bool:
     """Whether a launcher (torchrun, ``zerobridge run``) started this process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_device() -> torch.device:
+    """The device of this rank's tensors: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def backend_for(device: torch.device) -> str:

@@ -33,15 +33,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobridge.backends import counting
+from zerobridge.runtime import comm_stats
 from zerobridge.backends.base import Backend, attach, is_prepared
 from zerobridge.backends.deepspeed_access import Access, held_bytes
 from zerobridge.backends.deepspeed_config import DeepSpeedPlan, build_config
-from zerobridge.backends.deepspeed_loop import DeepSpeedModule, DeepSpeedOptimizer, Loop
+from zerobridge.backends.deepspeed_loop import DeepSpeedModule, DeepSpeedOptimizer, DeepSpeedStepper
 from zerobridge.backends.deepspeed_materialize import Partitioner, compute_dtype, materialize_deepspeed, restore_masters
-from zerobridge.engine.collectives import CommStats
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.errors import ConfigError
-from zerobridge.init.replay import Replay
+from zerobridge.distributed import init_distributed
+from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
+from zerobridge.runtime.plan import hidden_size
 from zerobridge.spec import StrategySpec
 
 __all__ = ["DeepSpeedBackend", "DeepSpeedModule", "DeepSpeedOptimizer", "prepare"]
@@ -67,15 +69,15 @@ class DeepSpeedBackend(Backend):
         """Names of the parameters of each param group the client optimizer had (empty groups dropped,
         as DeepSpeed drops them)."""
         self.access = Access(engine, model, client)
-        self.loop = Loop(engine, model, self.access, comm, accumulation_steps=plan.accumulation_steps,
+        self.stepper = DeepSpeedStepper(engine, model, self.access, comm, accumulation_steps=plan.accumulation_steps,
                          clip=plan.clip)
-        self.optimizer = DeepSpeedOptimizer(self.loop, client)
+        self.optimizer = DeepSpeedOptimizer(self.stepper, client)
         zero = plan.config["zero_optimization"]
         self.offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
         self.offload_params = zero.get("offload_param", {}).get("device", "none") != "none"
 
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        return self.loop.clip_grad_norm(max_norm, norm_type)
+        return self.stepper.clip_grad_norm(max_norm, norm_type)
 
     def named_params(self) -> list[tuple[nn.Parameter, list[str]]]:
         """Each parameter once, with all its names (a tied weight has several)."""
@@ -86,7 +88,7 @@ class DeepSpeedBackend(Backend):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = self.model.state_dict()
-        with self.loop.counting():
+        with self.stepper.counting():
             for param, names in self.named_params():
                 value = self.access.full_master(param)
                 for name in names:
@@ -115,7 +117,7 @@ class DeepSpeedBackend(Backend):
         from zerobridge.backends.deepspeed_checkpoint import save
 
         self._check_optimizer(optimizer)
-        with self.loop.counting():
+        with self.stepper.counting():
             return save(self, path, with_optimizer=optimizer is not None, metadata=metadata)
 
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
@@ -123,7 +125,7 @@ class DeepSpeedBackend(Backend):
         from zerobridge.backends.deepspeed_checkpoint import load
 
         self._check_optimizer(optimizer)
-        with self.loop.counting():
+        with self.stepper.counting():
             return load(self, path, with_optimizer=optimizer is not None, strict=strict, rng=rng)
 
 
@@ -170,8 +172,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     except ImportError as exc:
         raise ConfigError(f"DeepSpeed is not importable ({exc})", key="backend",
                           fix="pip install deepspeed, or use backend='native'") from None
-    from zerobridge.api import init_distributed, replay_on_every_rank
-    from zerobridge.engine.plan import hidden_size
 
     init_distributed(model, device)
     if dist.get_world_size() == 1:  # one process without a launcher: DeepSpeed still asks for LOCAL_RANK
@@ -187,9 +187,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     originals = {id(p): p.detach().to(torch.float32, copy=True) for p in model.parameters()
                  if p.requires_grad} if bf16 and replay is None else {}
     comm = CommStats()
-    counting.install()  # before DeepSpeed builds anything that could hold a collective
+    comm_stats.install()  # before DeepSpeed builds anything that could hold a collective
     _recount(deepspeed)
-    with counting.counted(comm):
+    with comm_stats.counted(comm):
         if replay is not None:
             assert device is not None
             stage3 = plan.config["zero_optimization"]["stage"] == 3
@@ -208,6 +208,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"DeepSpeed{cls.__name__}", (DeepSpeedModule, cls), {"__module__": cls.__module__})
     model.__class__ = _CLASSES[cls]
-    object.__setattr__(model, "_zerobridge_loop", backend.loop)
+    object.__setattr__(model, "_zerobridge_stepper", backend.stepper)
     attach(model, backend)
     return model, backend.optimizer

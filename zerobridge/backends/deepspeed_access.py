@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerobridge.engine.step import norm_part
+from zerobridge.runtime.tensors import StorageCounter
+from zerobridge.runtime.step_rules import norm_part
 
 __all__ = ["Access", "held_bytes", "shape_of"]
 
@@ -303,16 +304,7 @@ def held_bytes(access: Access, *, offload_optimizer: bool, offload_params: bool)
     """Bytes this rank holds now, by role (``param_bytes``, ``grad_bytes``,
     ``optimizer_bytes``: masters plus optimizer state) and by tier; each storage
     counted once. DeepSpeed's communication scratch buffers are not counted."""
-    seen: set[int] = set()
-
-    def count(tensors: Iterator[torch.Tensor]) -> int:
-        total = 0
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+    count = StorageCounter().add
 
     wrapper, model = access.wrapper, access.model
     shards = (getattr(p, "ds_tensor", None) for p in model.parameters())

@@ -75,28 +75,9 @@ def refusal(entries: list[Entry]) -> ConfigError:
                                           "zerobridge.stats(model)['approximations'])")
 
 
-def _accumulation(spec: StrategySpec, micro: int, world_size: int) -> int:
-    batch = spec.batch
-    if isinstance(batch.accumulation_steps, int):
-        return batch.accumulation_steps
-    glob = batch.global_batch_size
-    if isinstance(glob, int) and isinstance(batch.micro_batch_size, int):
-        if glob < micro * world_size:
-            raise ConfigError(f"batch.global_batch_size={glob} is smaller than micro x world = {micro} x "
-                              f"{world_size}", key="batch.global_batch_size",
-                              fix="raise the global batch or lower the micro batch")
-        return glob // (micro * world_size)
-    return 1
-
-
 def _batch(spec: StrategySpec, config: dict[str, Any], world_size: int) -> int:
     micro = spec.batch.micro_batch_size if isinstance(spec.batch.micro_batch_size, int) else 1
-    steps = _accumulation(spec, micro, world_size)
-    try:
-        spec.batch.resolve_global_batch(world_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc), key="batch.global_batch_size",
-                          fix="make global = micro x accumulation x world") from None
+    steps = spec.batch.accumulation_for(world_size)
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=steps,
                   train_batch_size=micro * steps * world_size)
     return steps
@@ -142,9 +123,7 @@ def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool
                  "loop of this backend does not apply"
         raise ConfigError(f"precision.param_dtype='fp16' cannot run on the deepspeed backend: {where}",
                           key="precision.param_dtype", fix="use param_dtype='bf16', or backend='native'")
-    if spec.sharding.world_size is not None and spec.sharding.world_size != world_size:
-        raise ConfigError(f"sharding.world_size={spec.sharding.world_size} but {world_size} ranks were launched",
-                          key="sharding.world_size", fix=f"launch {spec.sharding.world_size} ranks, or drop world_size")
+    spec.sharding.check_world(world_size)
     translation = write_deepspeed(spec)
     config: dict[str, Any] = translation.value
     # sharding.world_size: checked above (DeepSpeed takes the world from the launcher, which matches).

@@ -6,12 +6,12 @@
 outputs: the first gradient runs ``engine._backward_prologue``, each output
 gradient is divided by the accumulation steps, and the optimizer calls
 ``_backward_epilogue`` once every used parameter's gradient arrived). At
-stage 0 it refuses (``engine.backward(loss)`` only), so ``Loop`` does there
+stage 0 it refuses (``engine.backward(loss)`` only), so ``DeepSpeedStepper`` does there
 what ``engine.backward`` does: it calls the module directly, divides each
 output gradient by the accumulation steps, runs the prologue on the first
 one and the epilogue at the end of the backward pass.
 
-On every stage ``Loop`` wraps the prologue to decide the accumulation
+On every stage ``DeepSpeedStepper`` wraps the prologue to decide the accumulation
 boundary itself (``engine.set_gradient_accumulation_boundary``): the N-th
 backward of a window is the boundary, whether the loop calls
 ``optimizer.step()`` after each micro-batch (a no-op between boundaries, as
@@ -34,17 +34,18 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from zerobridge.backends import counting
-from zerobridge.engine.collectives import CommStats
+from zerobridge.runtime import comm_stats
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.errors import ConfigError
+from zerobridge.runtime.window import AccumulationWindow, WindowState, no_gradients
 
 if TYPE_CHECKING:
     from zerobridge.backends.deepspeed_access import Access
 
-__all__ = ["DeepSpeedModule", "DeepSpeedOptimizer", "Loop"]
+__all__ = ["DeepSpeedModule", "DeepSpeedOptimizer", "DeepSpeedStepper"]
 
 
-class Loop:
+class DeepSpeedStepper:
     """Boundaries, backward, step and clipping for one engine."""
 
     def __init__(self, engine: Any, model: nn.Module, access: Access, comm: CommStats, *,
@@ -56,13 +57,9 @@ class Loop:
         self.accumulation_steps = accumulation_steps
         self.spec_clip = clip
         """The spec's clipping at step time (``batch.clip_grad_norm``), DeepSpeed's ``gradient_clipping``."""
-        self.micro = 0
-        """Backward passes so far in the current accumulation window."""
-        self.boundary = False
-        """The running backward pass closes the window."""
+        self.window = AccumulationWindow(accumulation_steps)
         self.ready = False
         """A closed window's gradients wait for ``step()``."""
-        self.in_backward = False
         self.inside = False
         """The model is being called by the engine: ``DeepSpeedModule`` runs it plainly."""
         self.user_clip: float | None = None
@@ -77,7 +74,7 @@ class Loop:
     @contextmanager
     def counting(self) -> Iterator[None]:
         """Count the collectives issued inside into the backend's stats."""
-        with counting.counted(self.comm):
+        with comm_stats.counted(self.comm):
             yield
 
     # ------------------------------------------------------------------ forward and backward
@@ -96,17 +93,13 @@ class Loop:
         return output
 
     def _begin(self) -> None:
-        self.in_backward = True
-        self.boundary = self.micro + 1 >= self.accumulation_steps
-        self.engine.set_gradient_accumulation_boundary(self.boundary)
-        counting.attach(self.comm)
+        self.window.begin()
+        self.engine.set_gradient_accumulation_boundary(self.window.boundary)
+        comm_stats.count_into(self.comm)
 
     def _end(self) -> None:
-        counting.detach(self.comm)
-        self.in_backward = False
-        self.micro += 1
-        if self.boundary:
-            self.micro = 0
+        comm_stats.stop_counting(self.comm)
+        if self.window.end():
             self.ready = True
             self.norm = None
             self.user_clip = None
@@ -119,7 +112,7 @@ class Loop:
     def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Stage 0: what ``engine.backward`` does around ``loss.backward()``."""
         engine = self.engine
-        if not self.in_backward:
+        if not self.window.in_backward:
             with engine._running_engine_backward_lock:
                 engine._running_engine_backward_count += 1
                 engine._running_engine_backward = True
@@ -146,8 +139,7 @@ class Loop:
             raise ConfigError(f"norm_type={norm_type}: DeepSpeed computes and clips the 2-norm only",
                               key="norm_type", fix="use norm_type=2.0, or backend='native'")
         if not self.ready:
-            raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
-                               "boundary, before optimizer.step()")
+            raise no_gradients()
         if self.norm is None:
             with self.counting():
                 self.norm = self.access.grad_norm()
@@ -181,7 +173,7 @@ class Loop:
     def zero_grad(self) -> None:
         """Drop gradients, except inside an accumulation window or before a pending step
         (DeepSpeed keeps what it accumulated and reduced until ``step()``)."""
-        if self.micro == 0 and not self.ready and not self.in_backward:
+        if self.window.state is WindowState.EMPTY and not self.ready:
             self.engine.zero_grad()
 
 
@@ -189,18 +181,18 @@ class DeepSpeedModule(nn.Module):
     """Mixed into a prepared model's class: calls go through the DeepSpeed engine,
     names and everything else stay the model's own."""
 
-    _zerobridge_loop: Loop
+    _zerobridge_stepper: DeepSpeedStepper
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        loop = self.__dict__.get("_zerobridge_loop")
-        if loop is None or loop.inside:
+        stepper = self.__dict__.get("_zerobridge_stepper")
+        if stepper is None or stepper.inside:
             return super().__call__(*args, **kwargs)
-        return loop.forward(args, kwargs)
+        return stepper.forward(args, kwargs)
 
     @property
     def deepspeed_engine(self) -> Any:
         """The ``deepspeed.DeepSpeedEngine`` that runs this model."""
-        return self._zerobridge_loop.engine
+        return self._zerobridge_stepper.engine
 
 
 class DeepSpeedOptimizer(torch.optim.Optimizer):
@@ -209,9 +201,9 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
     replaced its parameters by flat partitions; hyperparameters and LR schedulers
     work on them as before). ``state_dict()`` is refused: use zerobridge's checkpoints."""
 
-    def __init__(self, loop: Loop, client: torch.optim.Optimizer) -> None:
+    def __init__(self, stepper: DeepSpeedStepper, client: torch.optim.Optimizer) -> None:
         # No Optimizer.__init__: the parameters belong to DeepSpeed.
-        self._loop = loop
+        self._stepper = stepper
         self.client = client
         self.defaults = client.defaults
 
@@ -227,10 +219,10 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ConfigError("DeepSpeed steps without a closure", key="closure",
                               fix="compute the loss and call loss.backward() before optimizer.step()")
-        self._loop.step()
+        self._stepper.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._loop.zero_grad()
+        self._stepper.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         raise ConfigError("the optimizer's state is partitioned by DeepSpeed", key="optimizer.state_dict",

@@ -6,7 +6,7 @@
     torch.bfloat16
 
 Stages 0-2 hold every parameter on every rank: each module's tensors come
-from the construction replay (``zerobridge/init/replay.py``) and replace the
+from the construction replay (``zerobridge/runtime/deferred_init.py``) and replace the
 meta ones in place (``torch.utils.swap_tensors``, so the optimizer built on
 the meta parameters holds the real ones), and the model goes to
 ``deepspeed.initialize`` as an eager one would.
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobridge.init.replay import Replay
+from zerobridge.runtime.deferred_init import Replay
 
 __all__ = ["Partitioner", "compute_dtype", "materialize_deepspeed", "restore_masters"]
 

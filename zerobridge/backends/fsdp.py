@@ -36,21 +36,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from zerobridge.backends import counting
+from zerobridge.runtime import comm_stats
 from zerobridge.backends.base import Backend, attach, backend_of
 from zerobridge.backends.fsdp_apply import (
     apply_activation_checkpointing, apply_fully_shard, broadcast_from_rank0, build_mesh, cast_states, first_names,
     plan_units, replace_optimizer_params, shard_group,
 )
 from zerobridge.backends.fsdp_materialize import materialize_fsdp
-from zerobridge.backends.fsdp_plan import Assessment, assess, neutral, refuse
-from zerobridge.backends.fsdp_step import FsdpStepping, local
-from zerobridge.engine.collectives import CommStats
-from zerobridge.engine.compiling import apply_compile
-from zerobridge.engine.plan import EnginePlan, plan_engine
-from zerobridge.engine.step import install_optimizer_hooks
+from zerobridge.backends.fsdp_plan import Assessment, assess, refuse
+from zerobridge.backends.fsdp_step import FsdpStepper
+from zerobridge.runtime.tensors import StorageCounter
+from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.runtime.compile import apply_compile
+from zerobridge.runtime.plan import RunPlan, plan_run
+from zerobridge.runtime.step_rules import install_optimizer_hooks
 from zerobridge.errors import ConfigError
-from zerobridge.init.replay import Replay
+from zerobridge.distributed import init_distributed
+from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.report import Entry, Report
 
@@ -62,7 +64,7 @@ class FsdpBackend(Backend):
 
     name: ClassVar[str] = "fsdp"
 
-    def __init__(self, model: nn.Module, plan: EnginePlan, mesh: DeviceMesh, stepping: FsdpStepping,
+    def __init__(self, model: nn.Module, plan: RunPlan, mesh: DeviceMesh, stepping: FsdpStepper,
                  stats: CommStats, assessment: Assessment, approximations: list[Entry]) -> None:
         self.model = model
         self.plan = plan
@@ -100,12 +102,11 @@ class FsdpBackend(Backend):
     def stats(self) -> dict[str, Any]:
         params = self.stepping.params
         sizes = {
-            "param_bytes": _stored([local(p) for p in params]),
-            "grad_bytes": _stored([local(p.grad) for p in params if p.grad is not None]
-                                  + [local(g) for g in self.stepping.set_aside.values()]),
-            "optimizer_bytes": _stored([local(v) for opt in list(self.stepping.optimizers)
-                                        for p in params for v in opt.state.get(p, {}).values()
-                                        if isinstance(v, torch.Tensor)]),
+            "param_bytes": StorageCounter().add(params),  # FSDP2 keeps padded shards: count storages
+            "grad_bytes": StorageCounter().add([p.grad for p in params] + list(self.stepping.set_aside.values())),
+            "optimizer_bytes": StorageCounter().add(v for opt in list(self.stepping.optimizers)
+                                                    for p in params for v in opt.state.get(p, {}).values()
+                                                    if isinstance(v, torch.Tensor)),
         }
         tier = "host" if self.offloaded else "device"
         tiers = {"device": 0, "host": 0, "nvme": 0}
@@ -134,15 +135,6 @@ class FsdpBackend(Backend):
         from zerobridge.pretrained.targets import dtensor_targets
 
         return dtensor_targets(self.model)
-
-
-def _stored(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (FSDP2 keeps padded shards)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class ZeroFsdpModule(nn.Module):
@@ -174,7 +166,7 @@ def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> N
                           fix="call zerobridge.prepare before the first optimizer.step()")
 
 
-def fully_shard_kwargs(assessment: Assessment, plan: EnginePlan, mesh: DeviceMesh) -> dict[str, Any]:
+def fully_shard_kwargs(assessment: Assessment, plan: RunPlan, mesh: DeviceMesh) -> dict[str, Any]:
     """``fully_shard``'s keywords: the translated form, with dtypes as the native engine resolves them."""
     form = assessment.form
     output = form["mp_policy"]["output_dtype"]
@@ -195,7 +187,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     with the optimizer's parameters replaced by the sharded ones (groups and hyperparameters kept).
     ``replay``: the model is on the meta device; it is sharded there and each rank's shards are
     materialized on ``device`` with the eager values (``fsdp_materialize``)."""
-    from zerobridge.api import init_distributed, replay_on_every_rank
 
     _check_model(model, optimizer)
     init_distributed(model, device)
@@ -204,7 +195,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
         replay_on_every_rank(replay, device)
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    plan = plan_engine(neutral(spec), model, world_size=world, local_world_size=local_world, device=device)
+    plan = plan_run(spec, world_size=world)
     assessment = assess(spec, world_size=world, local_world_size=local_world,
                         accumulation_steps=plan.accumulation_steps)
     cut = plan_units(model, spec.wrapping)
@@ -212,7 +203,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     if not allow_approximate:
         refuse(approximations)
     stats = CommStats()
-    counting.attach(stats)
+    comm_stats.count_into(stats)
     before = first_names(model)
     device_type = device.type if replay is not None and device is not None else next(model.parameters()).device.type
     mesh = build_mesh(assessment.form["mesh"], world_size=world, device_type=device_type)
@@ -226,7 +217,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
         assert device is not None
         materialize_fsdp(model, replay, device, offloaded=assessment.form["offload_policy"] is not None)
     apply_compile([model, *cut.sharded], spec.compile)
-    stepping = FsdpStepping(model, plan, shard_group(mesh))
+    stepping = FsdpStepper(model, plan, shard_group(mesh))
     install_optimizer_hooks(stepping)
     cls = type(model)
     if cls not in _CLASSES:

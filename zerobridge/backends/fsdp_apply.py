@@ -14,7 +14,7 @@ rank 0's values), ``cast_states`` (master and buffer dtypes),
 ``apply_activation_checkpointing`` (on the native units' forwards),
 ``apply_fully_shard`` (innermost unit first, the root last), and after it
 ``replace_optimizer_params``. The units are the native engine's
-(``zerobridge.engine.units``): a parameter used by modules of several units
+(``zerobridge.runtime.wrap_units``): a parameter used by modules of several units
 belongs to their closest common enclosing unit, which FSDP2 expresses by not
 sharding an inner unit that owns nothing of its own.
 """
@@ -31,9 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from zerobridge.engine import collectives
-from zerobridge.engine.boundary import checkpointed
-from zerobridge.engine.collectives import CommStats
-from zerobridge.engine.units import collect_params, owners, unit_modules
+from zerobridge.runtime.unit_wrap import checkpointed
+from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
 from zerobridge.errors import ConfigError
 from zerobridge.spec import WrapSpec
 from zerobridge.translate.report import Entry, Status

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zerobridge.runtime.tensors import local_tensor
 from zerobridge._version import __version__
 from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
 from zerobridge.checkpoint.extras import capture_rng, restore_rng
@@ -58,6 +59,11 @@ class Shard:
     @property
     def local(self) -> torch.Tensor:
         return _local(self.param)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``value`` (its DTensor shard), detached: what a checkpoint piece reads."""
+    return local_tensor(value).detach()
 
 
 def _shards(backend: FsdpBackend) -> list[Shard]:
@@ -141,20 +147,12 @@ def save_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
             for i, group in enumerate(optimizer.param_groups):
                 blobs += [Blob(param_group_key(i, k), [first[id(p)] for p in v] if k == "params" else v)
                           for k, v in group.items()]
-        scaler = backend.stepping.scaler
-        pieces += [tensor_piece(f"{ZB}.loss_scaler", torch.tensor(
-                       [scaler.scale, float(getattr(scaler, "_hysteresis", -1)), float(scaler._clean_steps)],
-                       dtype=torch.float64)),
+        pieces += [tensor_piece(f"{ZB}.loss_scaler", backend.stepping.scaler.state_tensor()),
                    tensor_piece(f"{ZB}.skipped_steps", torch.tensor(backend.stepping.skipped_steps))]
         blobs += [Blob(LAYOUT_KEY, summary), Blob(METADATA_KEY, text)]
     write_checkpoint(path, pieces, blobs, distributed=True,
                      saved={**summary, "zerobridge": __version__, "torch": torch.__version__})
     return path
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's values of ``value`` (its DTensor shard), detached."""
-    return (value._local_tensor if isinstance(value, DTensor) else value).detach()
 
 
 def _held(optimizer: torch.optim.Optimizer | None, first: dict[int, str]) -> set[int]:
@@ -254,10 +252,7 @@ def _set_state(optimizer: torch.optim.Optimizer, shard: Shard, staged: dict[str,
 
 def _restore_stepping(backend: FsdpBackend, ckpt: Checkpoint) -> None:
     """Loss scaler (when both runs scale dynamically) and skipped steps, as the native load does."""
-    scaler = backend.stepping.scaler
     if ckpt.tensor(f"{ZB}.loss_scaler") is not None:
-        scale, hysteresis, clean = ckpt.full(f"{ZB}.loss_scaler").tolist()
-        if hasattr(scaler, "_hysteresis") and hysteresis >= 0:
-            scaler.scale, scaler._hysteresis, scaler._clean_steps = scale, int(hysteresis), int(clean)
+        backend.stepping.scaler.load_state_tensor(ckpt.full(f"{ZB}.loss_scaler"))
     if ckpt.tensor(f"{ZB}.skipped_steps") is not None:
         backend.stepping.skipped_steps = int(ckpt.full(f"{ZB}.skipped_steps"))

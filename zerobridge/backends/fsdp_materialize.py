@@ -11,7 +11,7 @@ FSDP2's own meta path: ``fully_shard`` runs on the meta model (each
 parameter becomes a DTensor whose local shard is still on meta),
 ``to_empty`` allocates every rank's padded shard on the device (the CPU
 when parameters are offloaded), and then each module's tensors come from
-the construction replay (``zerobridge/init/replay.py``): the full value of
+the construction replay (``zerobridge/runtime/deferred_init.py``): the full value of
 one module's parameters on the CPU, of which this rank copies its shard
 into the DTensor's local tensor; buffers are written whole. FSDP2 splits
 dim 0 as ``torch.chunk`` does (the last shards shorter or empty, padded to
@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from zerobridge.errors import ConfigError
-from zerobridge.init.replay import Replay
+from zerobridge.runtime.deferred_init import Replay
 
 __all__ = ["materialize_fsdp", "shard_piece"]
 

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import CommunicationSpec, OffloadSpec, StrategySpec
+from zerobridge.spec import StrategySpec
 from zerobridge.translate.fsdp import with_world_size
 from zerobridge.translate.fsdp2 import write_fsdp2
 from zerobridge.translate.report import Entry, Status
 
-__all__ = ["CLOSEST_STAGE", "HANDLED", "Assessment", "assess", "neutral", "refuse", "resolved"]
+__all__ = ["CLOSEST_STAGE", "HANDLED", "Assessment", "assess", "refuse", "resolved"]
 
 HANDLED: dict[str, str] = {
-    "wrapping": "units cut by zerobridge.engine.units.unit_modules, the native engine's own",
+    "wrapping": "units cut by zerobridge.runtime.wrap_units.unit_modules, the native engine's own",
     "precision.buffer_dtype": "buffers cast to buffer_dtype before fully_shard, as the native engine does",
     "precision.loss_scaling": "the native engine's loss scaler (hysteresis, minimum scale) runs around FSDP2",
     "precision.skip_nonfinite_steps": "non-finite steps skipped by the native engine's rule",
@@ -97,12 +97,6 @@ def resolved(spec: StrategySpec, *, world_size: int, local_world_size: int) -> S
     if not update:
         return spec
     return spec.model_copy(update={"sharding": s.model_copy(update=update)})
-
-
-def neutral(spec: StrategySpec) -> StrategySpec:
-    """``spec`` without communication tuning and offload: what the native planner resolves for FSDP2
-    (dtypes, accumulation, clipping, loss scaling, units), none of which depends on those two."""
-    return spec.model_copy(update={"communication": CommunicationSpec(), "offload": OffloadSpec()})
 
 
 def _stage0(entry: Entry, form: dict[str, Any]) -> bool:

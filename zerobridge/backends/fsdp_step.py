@@ -1,7 +1,7 @@
 """The native engine's step rules around torch FSDP2: accumulation, averaging, clipping, fp16 scaling.
 
-    >>> from zerobridge.backends.fsdp_step import FsdpStepping
-    >>> FsdpStepping.__doc__.split(".")[0]
+    >>> from zerobridge.backends.fsdp_step import FsdpStepper
+    >>> FsdpStepper.__doc__.split(".")[0]
     'Gradient accumulation and the optimizer step of one FSDP2 model, as the native engine does them'
 
 [Note: an FSDP2 step under zerobridge]
@@ -24,34 +24,28 @@ step     global optimizer hooks: outside a boundary the step is a no-op; at
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from zerobridge.engine.loss_scale import LossScaler, ScaleGrad
-from zerobridge.engine.plan import EnginePlan
-from zerobridge.engine.step import apply_clip, hide_grads, nonfinite_flag, norm_part
-from zerobridge.spec import GradSync
+from zerobridge.runtime.loss_scale import LossScaler, ScaleGrad
+from zerobridge.runtime.plan import RunPlan
+from zerobridge.runtime.tensors import local_tensor
+from zerobridge.runtime.window import AccumulationWindow, no_gradients
+from zerobridge.runtime.step_rules import apply_clip, hide_grads, nonfinite_flag, norm_part
 
-__all__ = ["FsdpStepping", "local"]
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly DTensor) tensor."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+__all__ = ["FsdpStepper"]
 
 
-class FsdpStepping:
+class FsdpStepper:
     """Gradient accumulation and the optimizer step of one FSDP2 model, as the native engine does them."""
 
-    def __init__(self, model: nn.Module, plan: EnginePlan, shard_group: dist.ProcessGroup) -> None:
+    def __init__(self, model: nn.Module, plan: RunPlan, shard_group: dist.ProcessGroup) -> None:
         self.root = model
         self.plan = plan
         self.shard_group = shard_group
@@ -60,10 +54,7 @@ class FsdpStepping:
         self.scaler = LossScaler(plan.loss_scaling)
         self.skipped_steps = 0
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self.no_sync_depth = 0
-        self.micro_in_window = 0
-        self.in_backward = False
-        self.boundary = False
+        self.window = AccumulationWindow(plan.accumulation_steps, plan.grad_sync)
         self.set_aside: dict[int, torch.Tensor] = {}
         """Reduced gradient shards of earlier micro-steps of this window."""
         self.awaiting: set[int] = set()
@@ -86,54 +77,43 @@ class FsdpStepping:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.in_backward:
+        if self.window.in_backward:
             return
-        self.in_backward = True
-        syncing = self.no_sync_depth == 0
-        self.boundary = syncing and self.micro_in_window + 1 >= self.plan.accumulation_steps
-        every = syncing and self.plan.grad_sync is GradSync.EVERY_MICRO_STEP
+        self.window.begin()
         assert isinstance(self.root, FSDPModule)
-        self.root.set_requires_gradient_sync(self.boundary or every)
+        self.root.set_requires_gradient_sync(self.window.reduces)
         engine = torch.autograd.Variable._execution_engine
         # Queued from a callback, so that it runs after FSDP2's own end-of-backward callback.
         engine.queue_callback(lambda: engine.queue_callback(self._end_of_backward))
 
     def _end_of_backward(self) -> None:
-        self.in_backward = False
-        self.micro_in_window += 1
-        if not self.boundary:
+        if not self.window.end():
             for p in self.params:
                 if p.grad is not None:
                     kept = self.set_aside.get(id(p))
                     if kept is None:
                         self.set_aside[id(p)] = p.grad
                     else:
-                        local(kept).add_(local(p.grad))
+                        local_tensor(kept).add_(local_tensor(p.grad))
                     p.grad = None
             return
         for p in self.params:
             kept = self.set_aside.pop(id(p), None)
             if kept is not None:
                 if p.grad is not None:
-                    local(kept).add_(local(p.grad))
+                    local_tensor(kept).add_(local_tensor(p.grad))
                 p.grad = kept
-        self.micro_in_window = 0
         self.awaiting = {id(p) for p in self.params if p.grad is not None}
         self.finalized = False
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate locally: the next backward outside reduces everything."""
-        self.no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self.no_sync_depth -= 1
+        return self.window.no_sync()
 
     # ------------------------------------------------------------------ step
 
     def _grads(self) -> list[torch.Tensor]:
-        return [local(p.grad) for p in self.params if p.grad is not None and id(p) in self.awaiting]
+        return [local_tensor(p.grad) for p in self.params if p.grad is not None and id(p) in self.awaiting]
 
     def finalize(self) -> bool:
         """Average over accumulation steps, unscale, check for overflow (once per boundary).
@@ -160,8 +140,7 @@ class FsdpStepping:
         """Scale gradients so that their global norm (every rank, every shard) is at most
         ``max_norm``; return the norm before clipping, a plain tensor. torch's formula."""
         if not self.finalize():
-            raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
-                               "boundary (outside no_sync), before optimizer.step()")
+            raise no_gradients()
         grads = self._grads()
         total = norm_part(grads, norm_type, grads[0].device if grads else torch.device("cpu"))
         if self.shard_group.size() > 1:  # shards of one copy add up; replicas hold the same shards

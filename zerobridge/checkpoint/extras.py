@@ -81,19 +81,15 @@ def restore_rng(states: dict[str, torch.Tensor]) -> None:
 
 def stepping_state(engine: Engine) -> dict[str, torch.Tensor]:
     """Loss scaler ``[scale, hysteresis, clean steps]`` (float64) and skipped steps (int64)."""
-    scaler = engine.stepping.scaler
-    hysteresis = float(getattr(scaler, "_hysteresis", -1))
-    return {"loss_scaler": torch.tensor([scaler.scale, hysteresis, float(scaler._clean_steps)], dtype=torch.float64),
+    return {"loss_scaler": engine.stepping.scaler.state_tensor(),
             "skipped_steps": torch.tensor(engine.stepping.skipped_steps, dtype=torch.int64)}
 
 
 def restore_stepping(engine: Engine, state: dict[str, torch.Tensor]) -> None:
     """Put back what ``stepping_state`` saved. A scaler is restored only when both
     runs scale dynamically (a static or absent scale comes from the spec)."""
-    scaler = engine.stepping.scaler
-    if "loss_scaler" in state and hasattr(scaler, "_hysteresis") and state["loss_scaler"][1] >= 0:
-        scale, hysteresis, clean = state["loss_scaler"].tolist()
-        scaler.scale, scaler._hysteresis, scaler._clean_steps = scale, int(hysteresis), int(clean)
+    if "loss_scaler" in state:
+        engine.stepping.scaler.load_state_tensor(state["loss_scaler"])
     if "skipped_steps" in state:
         engine.stepping.skipped_steps = int(state["skipped_steps"])
 

@@ -44,7 +44,7 @@ from zerobridge.checkpoint.storage import (
     MANIFEST, METADATA_FILE, CheckpointError, checkpoint_kind, read_manifest, recover, verify_files,
 )
 from zerobridge.checkpoint.unpickle import decode_bytes, read_metadata
-from zerobridge.engine.mesh import host_world
+from zerobridge.distributed import host_world
 
 __all__ = ["Checkpoint", "Target", "open_checkpoint"]
 

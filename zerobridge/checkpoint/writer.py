@@ -46,7 +46,7 @@ from zerobridge.checkpoint.layout import Box, key_path
 from zerobridge.checkpoint.storage import (
     METADATA_FILE, CheckpointError, digest_files, recover, saving_dir, swap_into_place, write_manifest,
 )
-from zerobridge.engine.mesh import group_timeout, host_world
+from zerobridge.distributed import group_timeout, host_world
 
 __all__ = ["THREADED_BYTES", "WRITER_THREADS", "Blob", "Piece", "RunCache", "save_timeout", "write_checkpoint",
            "writer_threads"]

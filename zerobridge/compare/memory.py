@@ -29,19 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerobridge.runtime.tensors import storage_key
+
 __all__ = ["live_by_role", "live_storages"]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
-
-
-def _key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    try:
-        storage = _local(tensor).untyped_storage()
-        return (storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
-    except (RuntimeError, NotImplementedError):  # a wrapper without storage of its own
-        return None
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -60,7 +50,7 @@ def live_storages() -> dict[tuple[int, int], int]:
     found: dict[tuple[int, int], int] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta:  # type(): no attribute lookups on the object
-            key = _key(obj)
+            key = storage_key(obj)
             if key is not None:
                 found[key] = key[1]
     return found
@@ -79,7 +69,7 @@ def live_by_role(model: nn.Module, optimizer: Any) -> dict[str, int]:
     claimed: dict[tuple[int, int], str] = {}
     for role, tensors in roles.items():
         for tensor in tensors:
-            key = _key(tensor)
+            key = storage_key(tensor)
             if key is not None:
                 claimed.setdefault(key, role)
     held = {"params": 0, "grads": 0, "optimizer": 0, "other": 0}

@@ -145,7 +145,7 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
     from zerobridge.compare.memory import live_by_role
     from zerobridge.compare.workload import resolve_model
     from zerobridge.models import shard
-    from zerobridge.testing.parity import run_device
+    from zerobridge.distributed import run_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     record = RankRecord(baseline_rss_bytes=rss_bytes())

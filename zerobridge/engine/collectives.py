@@ -1,11 +1,13 @@
 """The collectives the engine issues: free functions over explicit groups.
 
     >>> import torch
-    >>> from zerobridge.engine.collectives import CommStats, bus_bytes
-    >>> bus_bytes("all_reduce", torch.empty(1000), group_size=4)
-    6000
-    >>> stats = CommStats(); stats.record("all_gather", 3000, group_size=4); dict(stats.bytes)
-    {'all_gather': 2250}
+    >>> from zerobridge.engine.collectives import all_reduce
+    >>> from zerobridge.runtime.comm_stats import CommStats
+    >>> stats = CommStats()
+    >>> all_reduce(torch.ones(3), None, stats).wait()     # no group: one rank, nothing moves
+    True
+    >>> dict(stats.bytes)
+    {}
 
 Every function takes the process group it runs on and the ``CommStats`` it is
 counted in; nothing here reads global state. A group of one rank is a no-op
@@ -18,30 +20,23 @@ The flat gather and reduce-scatter are ``dist.all_gather_single`` and
 has the same collectives as ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``, used instead (``flat_collective``).
 
-Bytes follow the bus-volume convention (per rank): an all-reduce of ``n``
-bytes over ``G`` ranks moves ``2n(G-1)/G``; a reduce-scatter of an ``n``-byte
-input, or an all-gather of an ``n``-byte output, moves ``n(G-1)/G``.
+Bytes are counted in ``CommStats`` (``runtime/comm_stats.py``), in the
+bus-volume convention every backend shares.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from zerobridge.engine.mesh import carries_host
+from zerobridge.distributed import carries_host
+from zerobridge.runtime.comm_stats import CollectiveKind, CommStats
 
-__all__ = [
-    "CollectiveKind", "CommStats", "Pending", "all_gather", "all_reduce", "broadcast", "broadcast_module", "bus_bytes",
-    "flat_collective", "reduce_scatter",
-]
+__all__ = ["Pending", "all_gather", "all_reduce", "broadcast", "broadcast_module", "flat_collective", "reduce_scatter"]
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
-_BUS_FACTOR: dict[str, float] = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
 # kind -> (torch >= 2.13 name, the older name of the same collective)
 _FLAT_NAMES: dict[str, tuple[str, str]] = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
                                            "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
@@ -63,31 +58,6 @@ class _Done:
 DONE: Pending = _Done()
 
 
-@dataclass(eq=False)
-class CommStats:
-    """Bytes and calls per collective kind since the last ``reset``."""
-
-    bytes: Counter[str] = field(default_factory=Counter)
-    calls: Counter[str] = field(default_factory=Counter)
-
-    def record(self, kind: CollectiveKind, payload_bytes: int, *, group_size: int) -> None:
-        """Count one collective whose payload (full buffer) is ``payload_bytes``."""
-        factor = _BUS_FACTOR[kind] * (group_size - 1) / group_size
-        self.bytes[kind] += round(payload_bytes * factor)
-        self.calls[kind] += 1
-
-    def reset(self) -> None:
-        """Forget everything counted so far."""
-        self.bytes.clear()
-        self.calls.clear()
-
-
-def bus_bytes(kind: CollectiveKind, payload: torch.Tensor, *, group_size: int) -> int:
-    """Per-rank bus bytes of one collective over ``payload`` (the full buffer)."""
-    nbytes = payload.numel() * payload.element_size()
-    return round(nbytes * _BUS_FACTOR[kind] * (group_size - 1) / group_size)
-
-
 def flat_collective(kind: str) -> Callable[..., Any]:
     """torch's flat single-tensor ``kind`` (``all_gather`` or ``reduce_scatter``): the 2.13
     name when this torch has it, else the older one.
@@ -105,10 +75,10 @@ def _size(group: dist.ProcessGroup | None) -> int:
 
 def _check_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """A host tensor never goes to a group without a CPU path (NCCL): callers stage it on the
-    device or use a gloo group (``mesh.host_world``)."""
+    device or use a gloo group (``zerobridge.distributed.host_world``)."""
     if tensor.device.type == "cpu" and not carries_host(group):
         raise RuntimeError(f"a CPU tensor was handed to a {dist.get_backend_config(group)} group, which has no "
-                           "CPU path: stage it on the device first, or use a gloo group (mesh.host_world)")
+                           "CPU path: stage it on the device first, or use a gloo group (zerobridge.distributed.host_world)")
 
 
 def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full: torch.Tensor,

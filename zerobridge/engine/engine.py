@@ -33,8 +33,7 @@ step     global optimizer hooks: unscale and check overflow, clip when the
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -42,22 +41,24 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from zerobridge.engine import collectives
-from zerobridge.engine.boundary import after_inputs_backward, cast_floats, checkpointed
-from zerobridge.engine.collectives import CommStats
+from zerobridge.runtime.unit_wrap import after_inputs_backward, cast_floats, checkpointed
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.grouping import build_groups
 from zerobridge.engine.handing import attach_grads
-from zerobridge.engine.loss_scale import ScaleGrad
+from zerobridge.runtime.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import open_spaces
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.reducing import ReductionQueue
 from zerobridge.engine.schedule import Order, Residency, Unit
 from zerobridge.engine.state import full_state_dict, memory
-from zerobridge.engine.step import StepControl, install_optimizer_hooks, nonfinite_flag
+from zerobridge.engine.step import NativeStepper
+from zerobridge.runtime.step_rules import install_optimizer_hooks, nonfinite_flag
 from zerobridge.engine.streams import Streams
 from zerobridge.engine.swap import StateSwapper
-from zerobridge.engine.units import collect_params, owners, unit_modules
+from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
+from zerobridge.runtime.window import AccumulationWindow
 from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
 
 __all__ = ["Engine", "Unit"]
@@ -96,7 +97,7 @@ class Engine:
         swapper = None
         if self.spaces.optimizer is not None:
             swapper = StateSwapper(self.trainable, self.spaces.optimizer, plan.offload)
-        self.stepping = StepControl(plan, mesh, self.stats, self.trainable, swapper)
+        self.stepping = NativeStepper(plan, mesh, self.stats, self.trainable, swapper)
         # The reduction order every rank follows: buckets whose earliest-registered
         # parameter comes last are expected to finish first in backward.
         order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
@@ -112,8 +113,7 @@ class Engine:
                     leaf.register_post_accumulate_grad_hook(self._bucket_hook(group, b))
         self._install_hooks()
         # Runtime state.
-        self.in_backward = self.window_open = self.reduce_now = self.boundary = False
-        self.no_sync_depth = self.micro_in_window = 0
+        self.window = AccumulationWindow(plan.accumulation_steps, plan.grad_sync)
         self.residency = Residency(self.groups, self.streams)
         self.forward_order: list[Unit] = []
         self.seen: set[Unit] = set()
@@ -146,7 +146,7 @@ class Engine:
 
     def _pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad = torch.is_grad_enabled()
-        if unit.index == 0 and not self.in_backward:
+        if unit.index == 0 and not self.window.in_backward:
             if self.forward_order:
                 self.previous = Order(self.forward_order, {u: u.numel for u in self.forward_order})
             self.forward_order, self.seen = [], set()
@@ -155,23 +155,23 @@ class Engine:
                 args, kwargs = cast_floats((args, kwargs), self.plan.compute_dtype)
             for group in self.replicated:
                 group.install(mark_used=grad)
-        first = not self.in_backward and unit not in self.seen  # its first call in this forward
+        first = not self.window.in_backward and unit not in self.seen  # its first call in this forward
         if first:
             self.forward_order.append(unit)
             self.seen.add(unit)
         self.residency.gather(unit, backward=False)
-        if self.forward_prefetch and not self.in_backward:
+        if self.forward_prefetch and not self.window.in_backward:
             self._prefetch(unit, self.previous, backward=False)
         self.residency.wait(unit)
         for group in unit.groups:
-            group.install(mark_used=grad and not self.in_backward)
+            group.install(mark_used=grad and not self.window.in_backward)
         if grad and first and unit.frozen and self.plan.sharding.sharded_at_rest:
             # On the first call only: its inputs' gradients come last when a unit runs twice.
             args, kwargs = after_inputs_backward((args, kwargs), self._post_backward_hook(unit))
         return args, kwargs
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
-        if self.in_backward:  # recomputation under activation checkpointing
+        if self.window.in_backward:  # recomputation under activation checkpointing
             return output
         grad = torch.is_grad_enabled()
         for group in unit.groups:
@@ -233,22 +233,17 @@ class Engine:
         return hook
 
     def _begin_backward(self) -> None:
-        self.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
-        syncing = self.no_sync_depth == 0
-        self.boundary = syncing and self.micro_in_window + 1 >= self.plan.accumulation_steps
-        self.reduce_now = self.boundary or (syncing and self.plan.grad_sync is GradSync.EVERY_MICRO_STEP)
-        if not self.window_open:
+        if self.window.begin():  # a new window: the accumulators start from zero
             single_reduce = self.plan.grad_sync is GradSync.ACCUMULATION_BOUNDARY or self.plan.accumulation_steps == 1
             for group in self.trainable:
                 group.begin_window(single_reduce=single_reduce)
-            self.window_open = True
         self.streams.begin_pass()
         self.reductions.restart()
         self.backward_order = Order(self.forward_order[::-1], {u: u.numel for u in self.forward_order})
 
     def _pre_backward(self, unit: Unit) -> None:
-        if not self.in_backward:
+        if not self.window.in_backward:
             self._begin_backward()
         if unit.backward_ready:
             return
@@ -277,9 +272,9 @@ class Engine:
         return hook
 
     def _on_bucket_grad(self, group: FlatGroup, b: int) -> None:
-        if not self.in_backward:
+        if not self.window.in_backward:
             self._begin_backward()
-        if self.reduce_now:
+        if self.window.reduces:
             self.reductions.ready.add((id(group), b))
             if self.plan.overlap_reduce:
                 self.reductions.launch(self.plan.gradient_divisor)
@@ -321,7 +316,7 @@ class Engine:
             self._prefetch(unit, self.backward_order, backward=True)
 
     def _end_of_backward(self) -> None:
-        if self.reduce_now:
+        if self.window.reduces:
             self.reductions.launch(self.plan.gradient_divisor, flush=True)
         self.reductions.land_all()
         for unit in self.units:
@@ -333,10 +328,8 @@ class Engine:
             unit.inputs_done = False
         for group in self.replicated:
             group.restore()
-        self.micro_in_window += 1
-        if self.boundary:
+        if self.window.end():
             self._close_window()
-        self.in_backward = False
 
     def _close_window(self) -> None:
         """Agree on the used parameters (and any overflow, when steps may be skipped):
@@ -355,17 +348,10 @@ class Engine:
             group.end_window()
             start += count
         self.stepping.gradients_ready(found_nonfinite=self.stepping.checks_nonfinite and host[-1] > 0)
-        self.window_open = False
-        self.micro_in_window = 0
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate gradients locally; the next backward outside reduces them all."""
-        self.no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self.no_sync_depth -= 1
+        return self.window.no_sync()
 
     # ------------------------------------------------------------------ step and state
 

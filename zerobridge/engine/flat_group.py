@@ -39,13 +39,14 @@ import torch
 from torch import nn
 
 from zerobridge.engine import collectives
-from zerobridge.engine.collectives import CommStats, Pending
+from zerobridge.engine.collectives import Pending
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.layout import BucketLayout, GroupLayout
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import (
     ON_DEVICE, FileRegion, Home, HostRegion, Placement, Region, Spaces, place, placeholder, release, reserve,
 )
-from zerobridge.engine.units import ParamRef
+from zerobridge.runtime.wrap_units import ParamRef
 from zerobridge.spec import ParamSharding
 
 __all__ = ["FlatGroup", "GroupPlan", "ParamRef"]

@@ -11,7 +11,7 @@
 
 The engine's flat groups are allocated empty from the meta shapes (a rank's
 shard at stage 3, the full replica at stages 0-2). Then, module by module in
-registration order, the construction replay (``zerobridge/init/replay.py``)
+registration order, the construction replay (``zerobridge/runtime/deferred_init.py``)
 produces that module's tensors on the CPU; each parameter's run that this
 rank holds is written into the master elements (``master.write_master``,
 which also reaches offload tiers), and the full tensor is dropped. Buffers
@@ -23,31 +23,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
 from zerobridge.engine.access import local_runs, refresh_compute, write_master
-from zerobridge.init.replay import Replay
+from zerobridge.runtime.deferred_init import Replay
 
 if TYPE_CHECKING:
     from zerobridge.engine.engine import Engine
 
-__all__ = ["agree_generator", "materialize_engine"]
-
-
-def agree_generator(device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
-    """Start every rank's CPU generator from rank 0's state, so that every rank
-    replays the same initial values. Returns whether this rank's state already was
-    rank 0's (then its generator ends as after an eager build; otherwise the caller
-    puts its own state back after the replay: ``api.replay_on_every_rank``). Collective."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return True
-    own = torch.get_rng_state()
-    state = own.to(device, copy=True)
-    dist.broadcast(state, src=0, group=group)
-    state = state.cpu()
-    torch.set_rng_state(state)
-    return bool(torch.equal(state, own))
+__all__ = ["materialize_engine"]
 
 
 def materialize_engine(engine: Engine, replay: Replay) -> None:

@@ -12,63 +12,19 @@ their orders cannot interleave differently on different ranks.
 
 Host tensors (offloaded master values, a full state gathered to the host,
 checkpoint control messages) never go to a group whose backend has no CPU
-path (NCCL): ``carries_host`` tells, and ``host_world`` is the default group
-when it is gloo, else a gloo group over every rank, made once.
+path (NCCL): ``zerobridge.distributed.carries_host`` tells, and
+``host_world`` gives a gloo group over every rank.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-__all__ = ["TIMEOUT_ENV", "Mesh", "build_mesh", "carries_host", "group_timeout", "host_world", "layout_ranks"]
+from zerobridge.distributed import group_timeout
 
-TIMEOUT_ENV = "ZEROBRIDGE_TIMEOUT"
-
-_HOST_WORLD: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, its gloo twin)
-
-
-def carries_host(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether ``group`` (default: the default group) takes CPU tensors: gloo does, NCCL alone does not."""
-    config = str(dist.get_backend_config(group))  # "cpu:gloo,cuda:nccl", "cuda:nccl", ...
-    return any(part.split(":")[0] == "cpu" for part in config.split(","))
-
-
-def host_world() -> dist.ProcessGroup:
-    """A gloo group over every rank: the default group when it is one, else a group created
-    on the first call (collective then; later calls return it)."""
-    default = dist.distributed_c10d._get_default_group()
-    if carries_host(default) and dist.get_backend(default) == "gloo":  # gloo alone: monitored barriers work
-        return default
-    for owner, twin in _HOST_WORLD:
-        if owner is default:
-            return twin
-    _HOST_WORLD.clear()  # the default group was replaced: its twin went with it
-    twin = dist.new_group(backend="gloo", timeout=group_timeout())
-    _HOST_WORLD.append((default, twin))
-    return twin
-
-
-def group_timeout() -> datetime.timedelta:
-    """How long a collective may wait for its peers before it raises.
-
-    ``ZEROBRIDGE_TIMEOUT`` (seconds) when set; else the default group's own
-    timeout (torch gives new groups 30 minutes, not the default group's).
-    """
-    if os.environ.get(TIMEOUT_ENV):
-        return datetime.timedelta(seconds=float(os.environ[TIMEOUT_ENV]))
-    if dist.is_initialized():
-        default = dist.distributed_c10d._get_default_group()
-        for device in (torch.device("cpu"), torch.device("cuda")):
-            try:
-                return default._get_backend(device).options._timeout  # type: ignore[attr-defined, no-any-return]
-            except (RuntimeError, AttributeError):
-                continue
-    return datetime.timedelta(seconds=600)
+__all__ = ["Mesh", "build_mesh", "layout_ranks"]
 
 
 def layout_ranks(*, world_size: int, shard_size: int) -> tuple[list[list[int]], list[list[int]]]:

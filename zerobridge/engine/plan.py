@@ -22,21 +22,17 @@ from torch import nn
 
 from zerobridge.engine.offload import OffloadPlan, check_offload, plan_offload
 from zerobridge.errors import ConfigError
-from zerobridge.spec import (
-    BackwardPrefetch, DType, GradSync, LossScaling, NoLossScale, ParamSharding, StrategySpec, WrapSpec, is_auto,
-)
+from zerobridge.runtime.plan import RunPlan, hidden_size, plan_run, run_fields
+from zerobridge.spec import BackwardPrefetch, ParamSharding, StrategySpec, is_auto
 
 __all__ = ["EnginePlan", "check_runnable", "plan_engine"]
 
-TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
-
 
 @dataclass(frozen=True)
-class EnginePlan:
-    """A spec resolved for one model and world size."""
+class EnginePlan(RunPlan):
+    """A spec resolved for one model and world size: the run rules every backend shares
+    (``RunPlan``) and the native engine's own numbers."""
 
-    spec: StrategySpec
-    world_size: int
     shard_size: int
     """N: ranks that split the sharded states (1 when nothing is sharded)."""
     secondary_size: int
@@ -44,11 +40,6 @@ class EnginePlan:
     sharding: ParamSharding
     optimizer_sharded: bool
     grads_sharded: bool
-    compute_dtype: torch.dtype
-    master_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    accumulate_dtype: torch.dtype
-    buffer_dtype: torch.dtype | None
     reduce_bucket: int | None
     """Gradient elements per bucket of the replicated group (``None``: one bucket)."""
     allgather_bucket: int | None
@@ -62,13 +53,6 @@ class EnginePlan:
     max_inflight_gathers: int | None
     max_live_parameters: int | None
     max_reuse_distance: int | None
-    accumulation_steps: int
-    grad_sync: GradSync
-    clip_grad_norm: float | None
-    loss_scaling: LossScaling
-    skip_nonfinite_steps: bool
-    activation_checkpointing: bool
-    wrap: WrapSpec
     offload: OffloadPlan = OffloadPlan()
     """Where master values, optimizer state and parameter shards live (``offload.py``)."""
 
@@ -76,21 +60,6 @@ class EnginePlan:
     def replicas(self) -> int:
         """R: copies of each shard (world / N)."""
         return self.world_size // self.shard_size
-
-    @property
-    def gradient_divisor(self) -> float:
-        """Gradients are averaged over ranks and (DeepSpeed's rule) accumulation steps."""
-        return float(self.world_size * self.accumulation_steps)
-
-
-def hidden_size(model: nn.Module) -> int | None:
-    """The model's hidden size, for ``"auto"`` bucket sizes (Hugging Face names)."""
-    config = getattr(model, "config", None)
-    for name in ("hidden_size", "n_embd", "d_model", "dim"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def _auto_size(value: object, key: str, model: nn.Module, rule: str, factor: float) -> int | None:
@@ -105,10 +74,6 @@ def _auto_size(value: object, key: str, model: nn.Module, rule: str, factor: flo
         return int(factor * hidden * hidden) if "hidden^2" in rule else int(factor * hidden)
     assert isinstance(value, int)
     return value or None
-
-
-def _dtype(value: object, fallback: DType) -> torch.dtype:
-    return TORCH_DTYPES[fallback if is_auto(value) else DType(value)]
 
 
 def _group(value: object, *, world: int, local: int, key: str) -> int:
@@ -139,15 +104,13 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
 
     ``device``: where the model's tensors will live (default: where its first
     parameter is; a meta-device model names the device it materializes on)."""
-    sharding, precision, comm, batch = spec.sharding, spec.precision, spec.communication, spec.batch
+    run = plan_run(spec, world_size=world_size)
+    sharding, comm = spec.sharding, spec.communication
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     offload = plan_offload(spec.offload, sharded_at_rest=sharding.parameters.sharded_at_rest,
                            accelerator=device.type != "cpu")
-    if sharding.world_size is not None and sharding.world_size != world_size:
-        raise ConfigError(f"sharding.world_size={sharding.world_size} but {world_size} ranks were launched",
-                          key="sharding.world_size", fix=f"launch {sharding.world_size} ranks, or drop world_size")
     shard_size = 1
     if sharding.optimizer_state:
         shard_size = _group(sharding.shard_group, world=world_size, local=local_world_size, key="sharding.shard_group")
@@ -159,29 +122,9 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
             raise ConfigError(f"sharding.backward_gather_group is {secondary} ranks, which does not divide the "
                               f"shard group of {shard_size}", key="sharding.backward_gather_group",
                               fix=f"choose a divisor of {shard_size}")
-    compute_name = DType.FP32 if is_auto(precision.param_dtype) else DType(precision.param_dtype)
-    compute = TORCH_DTYPES[compute_name]
-    accumulation = batch.accumulation_steps
-    if not isinstance(accumulation, int):
-        per_rank = batch.micro_batch_size
-        glob = batch.global_batch_size
-        accumulation = glob // (per_rank * world_size) if isinstance(glob, int) and isinstance(per_rank, int) else 1
-        if accumulation < 1:
-            raise ConfigError(f"batch.global_batch_size={glob} is smaller than micro x world = {per_rank} x {world_size}",
-                              key="batch.global_batch_size", fix="raise the global batch or lower the micro batch")
-    try:
-        batch.resolve_global_batch(world_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc), key="batch.global_batch_size",
-                          fix="make global = micro x accumulation x world") from None
-    clip = batch.clip_grad_norm
     return EnginePlan(
-        spec=spec, world_size=world_size, shard_size=shard_size, secondary_size=secondary,
+        **run_fields(run), shard_size=shard_size, secondary_size=secondary,  # type: ignore[arg-type]
         sharding=sharding.parameters, optimizer_sharded=sharding.optimizer_state, grads_sharded=sharding.gradients,
-        compute_dtype=compute, master_dtype=TORCH_DTYPES[precision.master_dtype] if compute != torch.float32 else compute,
-        reduce_dtype=_dtype(precision.reduce_dtype, compute_name),
-        accumulate_dtype=_dtype(precision.accumulate_dtype, compute_name),
-        buffer_dtype=TORCH_DTYPES[precision.buffer_dtype] if precision.buffer_dtype else None,
         reduce_bucket=_auto_size(comm.reduce_bucket, "communication.reduce_bucket", model, "hidden^2", 1.0),
         allgather_bucket=_auto_size(comm.allgather_bucket, "communication.allgather_bucket", model, "hidden^2", 1.0),
         prefetch_bucket=0 if comm.prefetch_bucket == 0 else _auto_size(
@@ -191,8 +134,4 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
         model_persistence_threshold=comm.model_persistence_threshold,
         overlap_reduce=comm.overlap_reduce, forward_prefetch=comm.forward_prefetch, backward_prefetch=comm.backward_prefetch,
         max_inflight_gathers=comm.max_inflight_gathers, max_live_parameters=comm.max_live_parameters,
-        max_reuse_distance=comm.max_reuse_distance, accumulation_steps=accumulation, grad_sync=batch.grad_sync,
-        clip_grad_norm=None if clip is None or is_auto(clip) else float(clip),  # type: ignore[arg-type]
-        loss_scaling=precision.loss_scaling if compute == torch.float16 else NoLossScale(),
-        skip_nonfinite_steps=precision.skip_nonfinite_steps,
-        activation_checkpointing=spec.checkpoint.activation_checkpointing, wrap=spec.wrapping, offload=offload)
+        max_reuse_distance=comm.max_reuse_distance, offload=offload)

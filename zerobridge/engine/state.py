@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerobridge.runtime.tensors import storage_bytes
 from zerobridge.engine import collectives
-from zerobridge.engine.collectives import CommStats
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.layout import GroupLayout
 from zerobridge.engine.master import master_shard
@@ -87,11 +88,6 @@ def full_state_dict(model: nn.Module, groups: list[FlatGroup], mesh: Mesh, stats
     return state
 
 
-def _stored(t: torch.Tensor | None) -> int:
-    """Bytes of ``t``'s storage in memory now (0 once released)."""
-    return 0 if t is None else t.untyped_storage().nbytes()
-
-
 def group_bytes(group: FlatGroup) -> dict[tuple[str, str], int]:
     """Bytes a group holds at rest, by (role, tier): roles ``params``, ``grads`` and
     ``master`` (a frozen group's master counts as parameters); tiers ``device``,
@@ -103,12 +99,12 @@ def group_bytes(group: FlatGroup) -> dict[tuple[str, str], int]:
 
     master_role = "master" if group.plan.trainable else "params"
     compute: Placement = group.plan.shard_at if group.shard is not None else ON_DEVICE
-    add("params", compute.resident_label, _stored(group.shard) if group.shard is not None else _stored(group.full))
-    add("params", "device", _stored(group.secondary))
-    add(master_role, group.plan.master_at.resident_label, _stored(group.master))
+    add("params", compute.resident_label, storage_bytes(group.shard) if group.shard is not None else storage_bytes(group.full))
+    add("params", "device", storage_bytes(group.secondary))
+    add(master_role, group.plan.master_at.resident_label, storage_bytes(group.master))
     if group.plan.trainable:
-        add("grads", "device", _stored(group.grad_store) + _stored(group.local_acc))
-        add("grads", group.plan.master_at.resident_label, _stored(group.optimizer_grads))
+        add("grads", "device", storage_bytes(group.grad_store) + storage_bytes(group.local_acc))
+        add("grads", group.plan.master_at.resident_label, storage_bytes(group.optimizer_grads))
     for role, region, at in (("params", group.away, compute), (master_role, group.master_file, group.plan.master_at)):
         if region is not None:
             add(role, "nvme" if isinstance(region, FileRegion) else at.resident_label, region.nbytes)

@@ -1,8 +1,8 @@
 """Between backward and the optimizer: unscale, overflow check, clipping, and the
 optimizer hooks that skip steps and refresh compute parameters afterwards.
 
-    >>> from zerobridge.engine.step import StepControl
-    >>> StepControl.__doc__.split(".")[0]
+    >>> from zerobridge.engine.step import NativeStepper
+    >>> NativeStepper.__doc__.split(".")[0]
     'What happens around optimizer'
 
 The user keeps a plain torch optimizer. Global optimizer step hooks find the
@@ -19,87 +19,24 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zerobridge.engine import collectives
-from zerobridge.engine.collectives import CommStats, Pending
+from zerobridge.engine.collectives import Pending
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.handing import drop_grads, materialize_grads
-from zerobridge.engine.loss_scale import LossScaler
+from zerobridge.runtime.loss_scale import LossScaler
 from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.swap import StateSwapper
+from zerobridge.runtime.window import no_gradients
+from zerobridge.runtime.step_rules import Hidden, apply_clip, hide_grads, norm_part, raw_step
 
-__all__ = ["StepControl", "StepHooks", "apply_clip", "hide_grads", "install_optimizer_hooks", "nonfinite_flag",
-           "norm_part", "raw_step"]
-
-Hidden = list[tuple[nn.Parameter, torch.Tensor | None]]
-
-
-def hide_grads(optimizer: torch.optim.Optimizer, ids: set[int]) -> Hidden:
-    """Take the gradients of ``optimizer``'s parameters whose ids are in ``ids`` out of its
-    sight (``param.grad = None``); what was taken, to put back after its step."""
-    hidden: Hidden = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) in ids:
-                hidden.append((param, param.grad))
-                param.grad = None
-    return hidden
-
-
-def nonfinite_flag(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
-    """``[1.0]`` when any of this rank's gradients holds an inf or NaN, else ``[0.0]`` (to all-reduce
-    with MAX). Computed where the gradients are, without reading anything back to the host."""
-    bad = [(~torch.isfinite(g)).any().reshape(1).to(device=device, dtype=torch.float32) for g in grads]
-    return torch.cat(bad).amax(0, keepdim=True) if bad else torch.zeros(1, device=device)
-
-
-_NORM_CHUNK = 1 << 22
-"""Elements cast to float64 at a time by ``_float64_norm`` (32 MiB)."""
-
-
-def _float64_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``grad``'s ``norm_type``-norm accumulated in float64, cast a chunk at a time so that
-    no float64 copy of a large gradient is ever held whole."""
-    flat = grad.reshape(-1)
-    if flat.numel() <= _NORM_CHUNK:
-        return torch.linalg.vector_norm(flat, norm_type, dtype=torch.float64)
-    parts = torch.stack([torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in flat.split(_NORM_CHUNK)])
-    return torch.linalg.vector_norm(parts, norm_type)
-
-
-def norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's part of the global gradient norm, ``[1]`` float64 on ``device``: the sum of
-    the ``norm_type``-th powers of its gradients' norms (their largest for the inf-norm).
-
-    Every norm is accumulated in float64, and the part is all-reduced in float64: in
-    float32 the rounding of sums over tens of millions of elements depends on how the
-    elements are split into shards, so sharding alone would move the norm (by 1e-5 at
-    20M parameters) and, through clipping, the losses."""
-    if grads:
-        norms = torch.stack([_float64_norm(g, norm_type) for g in grads])
-        local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
-    else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
-    return local.reshape(1).to(device, torch.float64)
-
-
-def apply_clip(grads: list[torch.Tensor], reduced: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
-    """The global norm from the all-reduced ``norm_part`` (SUM, or MAX for the inf-norm); scale
-    ``grads`` so that it is at most ``max_norm`` (torch's formula, in float64); return the
-    norm before, as float32 (what torch returns for float32 gradients)."""
-    total = reduced[0] if norm_type == float("inf") else reduced[0].pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
-    return total.to(torch.float32)
-
+__all__ = ["NativeStepper"]
 
 @dataclass
 class Stash:
@@ -116,7 +53,7 @@ class Stash:
     ``super().step()`` runs torch's hooks twice): the outer call decides."""
 
 
-class StepControl:
+class NativeStepper:
     """What happens around optimizer.step() for one engine."""
 
     def __init__(self, plan: EnginePlan, mesh: Mesh, stats: CommStats, trainable: list[FlatGroup],
@@ -184,8 +121,7 @@ class StepControl:
         """Scale gradients so their global norm (every rank, every shard) is at most
         ``max_norm``; return the norm before clipping. torch's formula."""
         if not self.finalize():
-            raise RuntimeError("clip_grad_norm_ needs gradients: call it after backward at an accumulation "
-                               "boundary (outside no_sync), before optimizer.step()")
+            raise no_gradients()
         grads = self._grads()
         local = norm_part(grads, norm_type, self._device())
         # Shards of one copy are summed; replicas hold the same shard and are not.
@@ -241,71 +177,3 @@ class StepControl:
                 self.awaiting.discard(id(group))
         for _, work in inflight:
             work.wait()
-
-
-_QUIET = 0
-"""Depth of ``raw_step`` calls: the engine's own steps do not run the hooks again."""
-
-
-def raw_step(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step()`` without the step hooks (torch's, per optimizer, or an LR
-    scheduler's counter): the function torch wrapped, under a re-entrancy guard for
-    subclasses whose ``step`` calls a hooked ``super().step()``."""
-    global _QUIET
-    step = type(optimizer).step
-    function = step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
-    _QUIET += 1
-    try:
-        function(optimizer)
-    finally:
-        _QUIET -= 1
-
-
-class StepHooks(Protocol):
-    """What the process-wide step hooks call: the native ``StepControl`` and other
-    backends' stepping objects (``zerobridge/backends/fsdp_step.py``)."""
-
-    param_ids: set[int]
-
-    def before_step(self, optimizer: torch.optim.Optimizer) -> Any: ...
-
-    def after_step(self, optimizer: torch.optim.Optimizer, stash: Any) -> None: ...
-
-
-_CONTROLS: weakref.WeakSet[StepHooks] = weakref.WeakSet()
-_INSTALLED = False
-
-
-def install_optimizer_hooks(control: StepHooks) -> None:
-    """Register ``control`` with the process-wide optimizer step hooks: before each
-    ``step()`` of an optimizer holding its parameters it gets ``before_step``, after
-    it ``after_step`` with what ``before_step`` returned."""
-    global _INSTALLED
-    _CONTROLS.add(control)
-    if _INSTALLED:
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-    # Per optimizer a stack: a subclass's step calling a hooked super().step() nests.
-    stashes: dict[int, list[list[tuple[StepHooks, Any]]]] = {}
-
-    def owners(optimizer: torch.optim.Optimizer) -> list[StepHooks]:
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [c for c in list(_CONTROLS) if not ids.isdisjoint(c.param_ids)]
-
-    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not _QUIET:
-            entry = [(c, c.before_step(optimizer)) for c in owners(optimizer)]
-            stashes.setdefault(id(optimizer), []).append(entry)
-
-    def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        stack = stashes.get(id(optimizer))
-        if _QUIET or not stack:
-            return
-        for control, stash in stack.pop():
-            control.after_step(optimizer, stash)
-        if not stack:
-            del stashes[id(optimizer)]
-
-    register_optimizer_step_pre_hook(pre)
-    register_optimizer_step_post_hook(post)
-    _INSTALLED = True

@@ -2,7 +2,14 @@
 
 DeepSpeed's identity: global batch = micro batch x accumulation steps x
 data-parallel size. The spec checks the part it can without knowing the world
-size, and ``resolve_global_batch`` the rest.
+size, and ``resolve_global_batch`` the rest; ``accumulation_for`` gives the
+accumulation steps every backend runs at a world size.
+
+    >>> from zerobridge.spec import BatchSpec
+    >>> BatchSpec(micro_batch_size=2, global_batch_size=16).accumulation_for(4)
+    2
+    >>> BatchSpec().accumulation_for(4)
+    1
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from zerobridge.errors import ConfigError
 from zerobridge.spec.base import Auto, SpecModel
 
 __all__ = ["BatchSpec", "GradSync"]
@@ -79,3 +87,22 @@ class BatchSpec(SpecModel):
                 f"{self.global_batch_size // per_rank} ranks"
             )
         return expected
+
+    def accumulation_for(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on ``world_size`` ranks: ``accumulation_steps`` when it
+        is a number, else global / (micro x world) when both are numbers, else 1. ``ConfigError``
+        when the global batch is below one micro-batch per rank or breaks DeepSpeed's identity."""
+        steps = self.accumulation_steps
+        if not isinstance(steps, int):
+            micro, glob = self.micro_batch_size, self.global_batch_size
+            steps = glob // (micro * world_size) if isinstance(glob, int) and isinstance(micro, int) else 1
+            if steps < 1:
+                raise ConfigError(f"batch.global_batch_size={glob} is smaller than micro x world = {micro} x "
+                                  f"{world_size}", key="batch.global_batch_size",
+                                  fix="raise the global batch or lower the micro batch")
+        try:
+            self.resolve_global_batch(world_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc), key="batch.global_batch_size",
+                              fix="make global = micro x accumulation x world") from None
+        return steps

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from zerobridge.errors import ConfigError
 from zerobridge.spec.base import SpecModel
 from zerobridge.spec.stage import STAGE_SHARDS, ParamSharding, Stage
 
@@ -128,3 +129,9 @@ class ShardingSpec(SpecModel):
         if size == "node":
             return local_world_size
         return int(size)
+
+    def check_world(self, world_size: int) -> None:
+        """``ConfigError`` when the spec names a world size and ``world_size`` ranks were launched instead."""
+        if self.world_size is not None and self.world_size != world_size:
+            raise ConfigError(f"sharding.world_size={self.world_size} but {world_size} ranks were launched",
+                              key="sharding.world_size", fix=f"launch {self.world_size} ranks, or drop world_size")

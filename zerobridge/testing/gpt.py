@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from zerobridge.models.data import SyntheticTokens, shard
 from zerobridge.models.tiny_gpt import no_weight_decay, tiny_gpt
-from zerobridge.testing.parity import RunResult, run_device
+from zerobridge.distributed import run_device
+from zerobridge.testing.parity import RunResult
 
 __all__ = ["reference_gpt", "train_gpt"]
 

@@ -137,7 +137,7 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
         precision = PrecisionSpec(param_dtype=dtype, master_dtype="fp32", compute_copy=layout, **grads,
                                   **({"loss_scaling": scaling} if scaling else {}))
         spec = spec.model_copy(update={"precision": precision})
-    from zerobridge.testing.parity import run_device
+    from zerobridge.distributed import run_device
 
     device = run_device()
     baseline = live_tensor_bytes()

@@ -27,7 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ParityNet", "RunResult", "batch", "run_device", "run_native", "run_reference"]
+from zerobridge.distributed import run_device
+
+__all__ = ["ParityNet", "RunResult", "batch", "run_native", "run_reference"]
 
 VOCAB, WIDTH, HIDDEN, SEQ = 37, 13, 29, 5
 
@@ -69,13 +71,6 @@ class ParityNet(nn.Module):
         x = x + 0.5 * self.frozen(x)
         logits = self.head(self.norm_f(x))
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def run_device() -> torch.device:
-    """The device of this rank: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def batch(step: int, micro: int, size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
-"""Count the collectives a foreign engine (torch FSDP2, DeepSpeed) issues, in the
-native engine's bus-volume convention, so ``zerobridge.stats`` means the same
-on every backend.
+"""What collectives move: bytes and calls per kind, counted the same way on every backend.
 
     >>> import torch, torch.distributed as dist
-    >>> from zerobridge.backends.counting import counted
-    >>> from zerobridge.engine.collectives import CommStats
+    >>> from zerobridge.runtime.comm_stats import CommStats, bus_bytes, counted
+    >>> bus_bytes("all_reduce", torch.empty(1000), group_size=4)
+    6000
+    >>> stats = CommStats(); stats.record("all_gather", 3000, group_size=4); dict(stats.bytes)
+    {'all_gather': 2250}
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     >>> stats = CommStats()
     >>> with counted(stats):
@@ -13,28 +14,63 @@ on every backend.
     ({'all_reduce': 1}, {'all_reduce': 0})
     >>> dist.destroy_process_group()
 
-``install`` patches the module attributes of ``torch.distributed`` (and of
-``torch.distributed.distributed_c10d``) once per process; each active
-``CommStats`` (``counted`` or ``attach``) sees every collective issued
-while it is active. Engines that imported a function by name before
-``install`` are not seen: call it before building them.
+Bytes follow the bus-volume convention (per rank): an all-reduce of ``n``
+bytes over ``G`` ranks moves ``2n(G-1)/G``; a reduce-scatter of an ``n``-byte
+input, or an all-gather of an ``n``-byte output, moves ``n(G-1)/G``.
+
+The native engine records each collective it issues itself
+(``engine/collectives.py``). A foreign engine (torch FSDP2, DeepSpeed) is
+counted from outside: ``install`` patches the module attributes of
+``torch.distributed`` (and of ``torch.distributed.distributed_c10d``) once per
+process, and each active ``CommStats`` (``counted`` or ``count_into``) sees
+every collective issued while it is active. Engines that imported a function
+by name before ``install`` are not seen: call it before building them.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from zerobridge.engine.collectives import CollectiveKind, CommStats
+__all__ = ["CollectiveKind", "CommStats", "bus_bytes", "count_into", "counted", "install", "stop_counting"]
 
-__all__ = ["attach", "counted", "detach", "install"]
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+_BUS_FACTOR: dict[str, float] = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
+
+
+@dataclass(eq=False)
+class CommStats:
+    """Bytes and calls per collective kind since the last ``reset``."""
+
+    bytes: Counter[str] = field(default_factory=Counter)
+    calls: Counter[str] = field(default_factory=Counter)
+
+    def record(self, kind: CollectiveKind, payload_bytes: int, *, group_size: int) -> None:
+        """Count one collective whose payload (full buffer) is ``payload_bytes``."""
+        factor = _BUS_FACTOR[kind] * (group_size - 1) / group_size
+        self.bytes[kind] += round(payload_bytes * factor)
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        self.bytes.clear()
+        self.calls.clear()
+
+
+def bus_bytes(kind: CollectiveKind, payload: torch.Tensor, *, group_size: int) -> int:
+    """Per-rank bus bytes of one collective over ``payload`` (the full buffer)."""
+    nbytes = payload.numel() * payload.element_size()
+    return round(nbytes * _BUS_FACTOR[kind] * (group_size - 1) / group_size)
+
 
 # function name -> (kind, position and keyword of the full buffer, position of the group)
 _FUNCTIONS: dict[str, tuple[CollectiveKind, int, str, int]] = {
@@ -93,13 +129,13 @@ def install() -> None:
     _INSTALLED = True
 
 
-def attach(stats: CommStats) -> None:
-    """Count every collective from now on into ``stats`` (until ``detach`` or it is collected)."""
+def count_into(stats: CommStats) -> None:
+    """Count every collective from now on into ``stats`` (until ``stop_counting`` or it is collected)."""
     install()
     _ACTIVE.add(stats)
 
 
-def detach(stats: CommStats) -> None:
+def stop_counting(stats: CommStats) -> None:
     """Stop counting into ``stats``."""
     _ACTIVE.discard(stats)
 
@@ -107,8 +143,8 @@ def detach(stats: CommStats) -> None:
 @contextmanager
 def counted(stats: CommStats) -> Iterator[CommStats]:
     """Count the collectives issued inside the block into ``stats``."""
-    attach(stats)
+    count_into(stats)
     try:
         yield stats
     finally:
-        detach(stats)
+        stop_counting(stats)

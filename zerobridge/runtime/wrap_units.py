@@ -1,7 +1,7 @@
 """Cut a model into wrap units and decide which unit owns each parameter.
 
     >>> import torch
-    >>> from zerobridge.engine.units import collect_params, owners, unit_modules
+    >>> from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
     >>> from zerobridge.spec.wrapping import EveryModuleWrap
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
     >>> units = unit_modules(model, EveryModuleWrap())

@@ -1,7 +1,7 @@
 """Hand a prepared model's units to ``torch.compile``, the engine's hooks outside the graphs.
 
     >>> import torch
-    >>> from zerobridge.engine.compiling import compile_targets
+    >>> from zerobridge.runtime.compile import compile_targets
     >>> from zerobridge.spec import CompileScope
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
     >>> units = [model, model[0], model[1]]          # the root first, as unit_modules lists them

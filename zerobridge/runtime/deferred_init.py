@@ -1,7 +1,7 @@
 """Initialize a meta-device model with the values an eager build would have had.
 
     >>> import torch
-    >>> from zerobridge.init.replay import Replay
+    >>> from zerobridge.runtime.deferred_init import Replay
     >>> _ = torch.manual_seed(0); eager = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     >>> _ = torch.manual_seed(0)
     >>> with torch.device("meta"):
@@ -50,12 +50,15 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import os
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerobridge.errors import ConfigError
 
-__all__ = ["InitOp", "Replay", "is_meta_model"]
+__all__ = ["InitOp", "Replay", "agree_generator", "is_meta_model", "materialize_device", "replay_on_every_rank"]
 
 Slot = tuple[nn.Module, str, bool]
 """(module, attribute, is_buffer)."""
@@ -305,3 +308,42 @@ def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.data if isinstance(tensor, nn.Parameter) else tensor
+
+
+# ----------------------------------------------------------------- on every rank
+
+
+def materialize_device(device: torch.device | str | None) -> torch.device:
+    """Where a meta-device model materializes: ``device``, else this rank's GPU, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def agree_generator(device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
+    """Start every rank's CPU generator from rank 0's state, so that every rank
+    replays the same initial values. Returns whether this rank's state already was
+    rank 0's (then its generator ends as after an eager build; otherwise the caller
+    puts its own state back after the replay: ``replay_on_every_rank``). Collective."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return True
+    own = torch.get_rng_state()
+    state = own.to(device, copy=True)
+    dist.broadcast(state, src=0, group=group)
+    state = state.cpu()
+    torch.set_rng_state(state)
+    return bool(torch.equal(state, own))
+
+
+def replay_on_every_rank(replay: Replay, device: torch.device) -> None:
+    """Record the construction replay from rank 0's generator state on every rank
+    (so every rank produces the same values); a rank whose own state differed gets
+    it back afterwards. Collective."""
+    own = torch.get_rng_state()
+    same = agree_generator(device)
+    replay.record()
+    if not same:
+        replay.end_state = own
+        torch.set_rng_state(own)

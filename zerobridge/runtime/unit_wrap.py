@@ -2,7 +2,7 @@
 recomputed in backward, and a signal when the gradients of its inputs are computed.
 
     >>> import torch
-    >>> from zerobridge.engine.boundary import after_inputs_backward, cast_floats
+    >>> from zerobridge.runtime.unit_wrap import after_inputs_backward, cast_floats
     >>> cast_floats((torch.ones(2), {"mask": torch.ones(2, dtype=torch.bool)}), torch.bfloat16)[0].dtype
     torch.bfloat16
     >>> done = []

@@ -1,6 +1,6 @@
 """fp16 loss scaling: a scale that multiplies gradients in backward, and its update rule.
 
-    >>> from zerobridge.engine.loss_scale import LossScaler
+    >>> from zerobridge.runtime.loss_scale import LossScaler
     >>> from zerobridge.spec import DynamicLossScale
     >>> s = LossScaler(DynamicLossScale(initial_scale=8.0, growth_interval=2, hysteresis=2))
     >>> [s.update(found_inf=x) or s.scale for x in (True, True, False, False)]
@@ -56,6 +56,20 @@ class LossScaler:
         if self._clean_steps % config.growth_interval == 0:
             self.scale *= config.growth_factor
             self._hysteresis = config.hysteresis
+
+
+    def state_tensor(self) -> torch.Tensor:
+        """``[scale, hysteresis, clean steps]`` as float64 (hysteresis -1 when the scale is not
+        dynamic): what a checkpoint keeps to resume the scale where it was."""
+        hysteresis = float(getattr(self, "_hysteresis", -1))
+        return torch.tensor([self.scale, hysteresis, float(self._clean_steps)], dtype=torch.float64)
+
+    def load_state_tensor(self, state: torch.Tensor) -> None:
+        """Resume from ``state_tensor``'s value when both runs scale dynamically (a static or
+        absent scale comes from the spec, not from the checkpoint)."""
+        scale, hysteresis, clean = state.tolist()
+        if isinstance(self.config, DynamicLossScale) and hysteresis >= 0:
+            self.scale, self._hysteresis, self._clean_steps = scale, int(hysteresis), int(clean)
 
 
 class ScaleGrad(torch.autograd.Function):
