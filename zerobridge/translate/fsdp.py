@@ -1,6 +1,6 @@
 """PyTorch FSDP1 and FSDP2 to and from the spec: the entry point, and what the
 two translators share (reading values the way torch does, the
-``training_loop`` section, wrapping, meshes, the live-object builders). What
+``training_loop`` section, wrapping, meshes). What
 only the writers share (stage plan, offload, precision, the settings FSDP
 fixes where DeepSpeed has a knob) lives in ``fsdp_emit.py``.
 
@@ -12,10 +12,10 @@ fixes where DeepSpeed has a knob) lives in ``fsdp_emit.py``.
     >>> [e.status.value for e in write_fsdp2(zero2).report if e.key == "sharding"]
     ['approximated']
 
-``read_fsdp1``/``write_fsdp1``/``to_fsdp1_kwargs`` live in ``fsdp1.py``,
-``read_fsdp2``/``write_fsdp2``/``to_fsdp2_kwargs``/``fsdp2_units`` in
-``fsdp2.py``; both are importable from here, as are the writing helpers of
-``fsdp_emit.py``. Both JSON forms are FSDP's own
+``read_fsdp1``/``write_fsdp1`` live in ``fsdp1.py``, ``read_fsdp2``/``write_fsdp2``
+in ``fsdp2.py``; both are importable from here, as are the writing helpers of
+``fsdp_emit.py``. The live torch objects are built in
+``zerobridge/backends/fsdp_kwargs.py``. Both JSON forms are FSDP's own
 arguments plus a reserved ``training_loop`` section: what the loop around FSDP
 must do (clipping, accumulation, loss scaling), so that no run depends on a
 silent default. A table row without ``default`` means torch's default is
@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, from_validation_error
 from zerobridge.spec import (
     AUTO, BatchSpec, DType, DynamicLossScale, GradSync, LossScaling, NoLossScale, RootWrap, SizeWrap,
-    StrategySpec, TransformerWrap, WrapSpec, is_auto,
+    TransformerWrap, WrapSpec, is_auto,
 )
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.mapping import Row, load_table
@@ -43,12 +42,7 @@ from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import as_int, torch_dtype_name
 
-if TYPE_CHECKING:  # torch is imported only by the live-object builders
-    from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
-
-_PUBLIC = {"read_fsdp1": "fsdp1", "write_fsdp1": "fsdp1", "to_fsdp1_kwargs": "fsdp1", "read_fsdp2": "fsdp2",
-           "write_fsdp2": "fsdp2", "to_fsdp2_kwargs": "fsdp2", "fsdp2_units": "fsdp2"}
+_PUBLIC = {"read_fsdp1": "fsdp1", "write_fsdp1": "fsdp1", "read_fsdp2": "fsdp2", "write_fsdp2": "fsdp2"}
 _EMIT = ("StagePlan", "checkpoint_format", "mesh_form", "report_fixed_behaviour", "resolve_precision", "stage_plan",
          "write_offload", "write_training_loop", "write_wrap")
 _LAZY = {**_PUBLIC, **dict.fromkeys(_EMIT, "fsdp_emit")}
@@ -67,7 +61,7 @@ __all__ = [
     *_PUBLIC, "DIM_NAMES", "PER_UNIT", "Loop", "StagePlan", "accumulate_dtype_for", "choice",
     "mesh_form", "read_keys", "read_mesh", "read_training_loop", "read_wrap", "report_fixed_behaviour",
     "resolve_precision", "section", "stage_plan", "take", "write_offload", "write_training_loop", "write_wrap",
-    "build_mesh", "check_precision", "checkpoint_format", "device_type", "layer_classes", "with_world_size",
+    "check_precision", "checkpoint_format",
 ]
 
 DIM_NAMES: dict[int, list[str]] = {1: ["dp_shard"], 2: ["dp_replicate", "dp_shard"]}
@@ -261,62 +255,3 @@ def read_mesh(r: SourceKeys, path: str) -> tuple[int, ...] | None:
                           fix=f"e.g. {shown(DIM_NAMES[len(dims)])}")
         r.carry(names_key, names, DIM_NAMES[len(dims)])
     return dims
-
-
-# ----------------------------------------------------------------- live objects
-
-
-def device_type() -> str:
-    """The device type meshes are built on."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def with_world_size(spec: StrategySpec, world_size: int | None) -> StrategySpec:
-    """``spec`` with the world size of ``world_size`` or of the initialised process group."""
-    import torch.distributed as dist
-
-    if world_size is None and dist.is_available() and dist.is_initialized():
-        world_size = dist.get_world_size()
-    if world_size is None or spec.sharding.world_size == world_size:
-        return spec
-    if spec.sharding.world_size is not None:
-        raise ConfigError(f"the spec is for {spec.sharding.world_size} ranks, but this run has {world_size}",
-                          key="sharding.world_size", fix=f"run on {spec.sharding.world_size} ranks, or change the spec")
-    data = spec.model_dump()
-    data["sharding"]["world_size"] = world_size
-    try:
-        return StrategySpec.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-def build_mesh(form: dict[str, Any]) -> DeviceMesh | None:
-    """The DeviceMesh of a written ``{"shape", "mesh_dim_names"}``; ``None``
-    when no process group is initialised."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return init_device_mesh(device_type(), tuple(form["shape"]), mesh_dim_names=tuple(form["mesh_dim_names"]))
-
-
-def layer_classes(names: list[str] | str, module: nn.Module | None) -> set[type[nn.Module]]:
-    """The classes named ``names`` (``"auto"``: ``module._no_split_modules``) in ``module``'s tree."""
-    key = "wrapping.layer_classes"
-    if module is None:
-        raise ConfigError("layer classes are given by name: the model is needed to find them", key=key,
-                          fix="pass module=model")
-    if is_auto(names):
-        names = list(getattr(module, "_no_split_modules", None) or ())
-        if not names:
-            raise ConfigError("\"auto\" takes a Hugging Face model's _no_split_modules, and this model has none",
-                              key=key, fix='name the layer classes, e.g. ["LlamaDecoderLayer"]')
-    found = {type(m).__name__: type(m) for m in module.modules()}
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise ConfigError(f"no module of class {', '.join(missing)} in the model", key=key,
-                          fix=f"use classes the model has: {', '.join(sorted(found))}")
-    return {found[n] for n in names}
