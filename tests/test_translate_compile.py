@@ -21,7 +21,8 @@ from zerobridge.translate.accelerate import read_accelerate
 from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
 from zerobridge.translate.deepspeed import read_deepspeed
 from zerobridge.translate.deepspeed_emit import write_deepspeed
-from zerobridge.translate.fsdp import read_fsdp2, write_fsdp1, write_fsdp2
+from zerobridge.translate.fsdp1 import write_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
 from zerobridge.translate.lightning import write_lightning
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, parse_json, parse_toml, parse_yaml, read_text

@@ -16,7 +16,8 @@ from zerobridge.spec import ShardingSpec, StrategySpec
 from zerobridge.translate.accelerate import read_accelerate
 from zerobridge.translate.deepspeed import read_deepspeed
 from zerobridge.translate.formats import write
-from zerobridge.translate.fsdp import read_fsdp1, read_fsdp2
+from zerobridge.translate.fsdp1 import read_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2
 from zerobridge.translate.lightning import read_lightning, write_lightning
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, parse_toml, parse_yaml

@@ -20,7 +20,8 @@ from zerobridge.spec import (
     ParamSharding, RootWrap, ShardingSpec, SizeWrap, StaticLossScale, StrategySpec, TransformerWrap,
 )
 from zerobridge.backends.fsdp_kwargs import fsdp2_units, to_fsdp1_kwargs, to_fsdp2_kwargs
-from zerobridge.translate.fsdp import read_fsdp1, read_fsdp2, write_fsdp1, write_fsdp2
+from zerobridge.translate.fsdp1 import read_fsdp1, write_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import parse_json
 

@@ -6,8 +6,8 @@
 
 One reader module and one writer module per format (``deepspeed`` /
 ``deepspeed_emit``, ``accelerate`` / ``accelerate_emit``, ``fsdp1``, ``fsdp2``,
-``lightning``, ``torchtitan``), and the shared pieces: ``fsdp`` (what the two
-FSDP translators share) and ``fsdp_emit`` (what their writers share),
+``lightning``, ``torchtitan``), and the shared pieces: ``fsdp_common`` (what
+the two FSDP readers share) and ``fsdp_write`` (what their writers share),
 ``compute_copy`` (which layout of the 16-bit copy each flavor keeps), ``report``, ``mapping`` (tables in ``mappings/``), ``keys`` (reading a
 source's keys through its table), ``sources`` (parsing with positions) and
 ``values`` (coercion). ``formats`` routes by format name.

@@ -16,6 +16,8 @@ from typing import Any
 
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.accelerate import F, P, _call, _carry_machines
+from zerobridge.translate.fsdp1 import read_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2
 from zerobridge.translate.keys import FALSY, TRUTHY, SourceKeys, chain_report, update_spec
 from zerobridge.translate.report import Status
 
@@ -43,7 +45,6 @@ _FSDP_RENAMES = {
 
 def read_fsdp_plugin(keys: SourceKeys, mixed: str, world: int | None) -> StrategySpec:
     """Accelerate's FSDP plugin (``fsdp_config``, FSDP1 or FSDP2) as a spec."""
-    from zerobridge.translate.fsdp import read_fsdp1, read_fsdp2
     version = keys.get(F + "fsdp_version")
     if version not in (1, 2):
         raise keys.located.error(f"expected 1 or 2, got {version!r}", key=keys.key(F + "fsdp_version"))

@@ -27,11 +27,11 @@ from zerobridge.spec import (
 )
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
-from zerobridge.translate.fsdp import (
-    PER_UNIT, Loop, accumulate_dtype_for, check_precision, choice, read_keys, read_mesh, read_training_loop,
+from zerobridge.translate.fsdp_common import (
+    PER_UNIT, TrainingLoopForm, accumulate_dtype_for, check_precision, choice, read_keys, read_mesh, read_training_loop,
     read_wrap, section, take,
 )
-from zerobridge.translate.fsdp_emit import (
+from zerobridge.translate.fsdp_write import (
     StagePlan, checkpoint_format, mesh_form, report_fixed_behaviour, resolve_precision, stage_plan, write_offload,
     write_training_loop, write_wrap,
 )
@@ -137,7 +137,7 @@ def _read_sharding(r: SourceKeys) -> ShardingSpec:
     return ShardingSpec.for_stage(3, parameters=parameters, shard_group=shape[1], world_size=world)
 
 
-def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
+def _read_precision(r: SourceKeys, loop: TrainingLoopForm) -> PrecisionSpec:
     master = loop.master_dtype
     param, reduce, buffer = master, None, None
     if section(r, "mixed_precision") is not None:

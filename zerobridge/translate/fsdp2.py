@@ -27,11 +27,11 @@ from zerobridge.spec import (
 )
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
-from zerobridge.translate.fsdp import (
-    PER_UNIT, Loop, accumulate_dtype_for, check_precision, read_keys, read_mesh, read_training_loop, read_wrap,
+from zerobridge.translate.fsdp_common import (
+    PER_UNIT, TrainingLoopForm, accumulate_dtype_for, check_precision, read_keys, read_mesh, read_training_loop, read_wrap,
     section, take,
 )
-from zerobridge.translate.fsdp_emit import (
+from zerobridge.translate.fsdp_write import (
     StagePlan, checkpoint_format, mesh_form, report_fixed_behaviour, resolve_precision, stage_plan, write_offload,
     write_training_loop, write_wrap,
 )
@@ -119,7 +119,7 @@ def _read_sharding(r: SourceKeys) -> ShardingSpec:
                                   backward_gather_group=gather)
 
 
-def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
+def _read_precision(r: SourceKeys, loop: TrainingLoopForm) -> PrecisionSpec:
     master = loop.master_dtype
     section(r, "mp_policy")
     param = take(r, "mp_policy.param_dtype") or master

@@ -1,20 +1,22 @@
-"""PyTorch FSDP1 and FSDP2 to and from the spec: the entry point, and what the
-two translators share (reading values the way torch does, the
-``training_loop`` section, wrapping, meshes). What
-only the writers share (stage plan, offload, precision, the settings FSDP
-fixes where DeepSpeed has a knob) lives in ``fsdp_emit.py``.
+"""What the FSDP1 and FSDP2 readers share: walking a JSON form through its
+table, reading values the way torch does, the ``training_loop`` section, wrap
+policies and meshes.
 
-    >>> from zerobridge.spec import StrategySpec, ShardingSpec
-    >>> from zerobridge.translate.fsdp import write_fsdp1, write_fsdp2
-    >>> zero2 = StrategySpec(sharding=ShardingSpec.for_stage(2))
-    >>> write_fsdp1(zero2).value["sharding_strategy"], write_fsdp2(zero2).value["reshard_after_forward"]
-    ('SHARD_GRAD_OP', False)
-    >>> [e.status.value for e in write_fsdp2(zero2).report if e.key == "sharding"]
-    ['approximated']
+    >>> from zerobridge.translate.fsdp_common import read_keys, read_training_loop
+    >>> from zerobridge.translate.report import Report
+    >>> from zerobridge.translate.sources import parse_json
+    >>> report = Report(source="fsdp2", target="spec")
+    >>> form = parse_json('{"training_loop": {"clip_grad_norm": 0, "gradient_accumulation_steps": 4}}', "f.json")
+    >>> loop = read_training_loop(read_keys(form, "fsdp2", report))
+    >>> loop.batch.clip_grad_norm, loop.batch.accumulation_steps
+    (None, 4)
+    >>> [e.status.value for e in report if e.key == "training_loop.clip_grad_norm"]
+    ['equivalent']
 
-``read_fsdp1``/``write_fsdp1`` live in ``fsdp1.py``, ``read_fsdp2``/``write_fsdp2``
-in ``fsdp2.py``; both are importable from here, as are the writing helpers of
-``fsdp_emit.py``. The live torch objects are built in
+The translators are ``fsdp1.py`` (``read_fsdp1``/``write_fsdp1``) and
+``fsdp2.py`` (``read_fsdp2``/``write_fsdp2``); what only their writers share
+(stage plan, offload, precision, the settings FSDP fixes where DeepSpeed has a
+knob) is in ``fsdp_write.py``, and the live torch objects are built in
 ``zerobridge/backends/fsdp_kwargs.py``. Both JSON forms are FSDP's own
 arguments plus a reserved ``training_loop`` section: what the loop around FSDP
 must do (clipping, accumulation, loss scaling), so that no run depends on a
@@ -42,26 +44,9 @@ from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import as_int, torch_dtype_name
 
-_PUBLIC = {"read_fsdp1": "fsdp1", "write_fsdp1": "fsdp1", "read_fsdp2": "fsdp2", "write_fsdp2": "fsdp2"}
-_EMIT = ("StagePlan", "checkpoint_format", "mesh_form", "report_fixed_behaviour", "resolve_precision", "stage_plan",
-         "write_offload", "write_training_loop", "write_wrap")
-_LAZY = {**_PUBLIC, **dict.fromkeys(_EMIT, "fsdp_emit")}
-
-
-def __getattr__(name: str) -> Any:
-    # The translators and fsdp_emit import this module, so they are re-exported lazily.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"zerobridge.translate.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
-    *_PUBLIC, "DIM_NAMES", "PER_UNIT", "Loop", "StagePlan", "accumulate_dtype_for", "choice",
-    "mesh_form", "read_keys", "read_mesh", "read_training_loop", "read_wrap", "report_fixed_behaviour",
-    "resolve_precision", "section", "stage_plan", "take", "write_offload", "write_training_loop", "write_wrap",
-    "check_precision", "checkpoint_format",
+    "DIM_NAMES", "PER_UNIT", "TrainingLoopForm", "accumulate_dtype_for", "check_precision", "choice", "read_keys",
+    "read_mesh", "read_training_loop", "read_wrap", "section", "shown", "take",
 ]
 
 DIM_NAMES: dict[int, list[str]] = {1: ["dp_shard"], 2: ["dp_replicate", "dp_shard"]}
@@ -138,7 +123,7 @@ def choice(r: SourceKeys, path: str, *, aliases: Mapping[str, str] | None = None
 # ----------------------------------------------------------------- reading
 
 
-class Loop(NamedTuple):
+class TrainingLoopForm(NamedTuple):
     """The ``training_loop`` section, as spec values."""
 
     batch: BatchSpec
@@ -148,7 +133,7 @@ class Loop(NamedTuple):
     skip_nonfinite_steps: bool
 
 
-def read_training_loop(r: SourceKeys) -> Loop:
+def read_training_loop(r: SourceKeys) -> TrainingLoopForm:
     """Read ``training_loop``; every absent key takes the default stated in the table."""
     section(r, "training_loop")
     p = "training_loop."
@@ -193,7 +178,7 @@ def read_training_loop(r: SourceKeys) -> Loop:
     except ValidationError as exc:
         message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
         raise r.error(p + "global_batch_size", message) from None
-    return Loop(batch, activation_checkpointing, master, loss, skip)
+    return TrainingLoopForm(batch, activation_checkpointing, master, loss, skip)
 
 
 def check_precision(r: SourceKeys, param_key: str, param: DType, master: DType, loss: LossScaling) -> None:

@@ -2,7 +2,7 @@
 
     >>> from zerobridge.spec import StrategySpec, ShardingSpec
     >>> from zerobridge.translate.report import Report
-    >>> from zerobridge.translate.fsdp_emit import stage_plan
+    >>> from zerobridge.translate.fsdp_write import stage_plan
     >>> stage_plan(StrategySpec(sharding=ShardingSpec.for_stage(1)), Report(source="spec", target="fsdp2"),
     ...            target="reshard_after_forward")
     StagePlan(sharded=True, reshard_after_forward=False, force_no_sync=True)
@@ -12,7 +12,7 @@ forms from these: the stage plan (ZeRO-1 and ZeRO-2 approximated), meshes,
 offload, precision with ``auto`` resolved (raw FSDP has no launcher to fill
 it), the ``training_loop`` section, the wrap policy, the checkpoint format,
 and a report of the DeepSpeed-only settings FSDP fixes. What the readers share
-stays in ``fsdp.py``, which still re-exports every name here.
+is in ``fsdp_common.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from zerobridge.spec import (
     RootWrap, SizeWrap, Stage, StaticLossScale, StrategySpec, TransformerWrap, is_auto,
 )
 from zerobridge.translate.compute_copy import write_compute_copy
-from zerobridge.translate.fsdp import DIM_NAMES, PER_UNIT, shown
+from zerobridge.translate.fsdp_common import DIM_NAMES, PER_UNIT, shown
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.values import torch_dtype_name
 
