@@ -19,7 +19,7 @@ from zerobridge.loading import load
 from zerobridge.registry import strategies
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.compilation import CompileMode, CompileScope, CompileSpec
-from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
 from zerobridge.translate.formats import for_world_size
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

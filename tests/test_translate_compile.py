@@ -17,8 +17,8 @@ from zerobridge.cli import main
 from zerobridge.errors import ConfigError
 from zerobridge.spec import ShardingSpec, StrategySpec
 from zerobridge.spec.compilation import CompileMode, CompileScope, CompileSpec
-from zerobridge.translate.accelerate import read_accelerate
-from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.accelerate_read import read_accelerate
+from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
 from zerobridge.translate.deepspeed import read_deepspeed
 from zerobridge.translate.deepspeed_emit import write_deepspeed
 from zerobridge.translate.fsdp1 import write_fsdp1

@@ -5,7 +5,9 @@
     >>> write(spec, "fsdp2").report.render()                        # doctest: +SKIP
 
 One reader module and one writer module per format (``deepspeed`` /
-``deepspeed_emit``, ``accelerate`` / ``accelerate_emit``, ``fsdp1``, ``fsdp2``,
+``deepspeed_emit``, ``accelerate_read`` / ``accelerate_write`` (with
+``accelerate_fsdp`` for the FSDP plugin and ``accelerate_common`` for what
+they share), ``fsdp1``, ``fsdp2``,
 ``lightning``, ``torchtitan``), and the shared pieces: ``fsdp_common`` (what
 the two FSDP readers share) and ``fsdp_write`` (what their writers share),
 ``compute_copy`` (which layout of the 16-bit copy each flavor keeps), ``report``, ``mapping`` (tables in ``mappings/``), ``keys`` (reading a

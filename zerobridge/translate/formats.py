@@ -31,7 +31,7 @@ SOURCES: dict[str, str] = {
     "deepspeed": "zerobridge.translate.deepspeed:read_deepspeed",
     "fsdp1": "zerobridge.translate.fsdp1:read_fsdp1",
     "fsdp2": "zerobridge.translate.fsdp2:read_fsdp2",
-    "accelerate": "zerobridge.translate.accelerate:read_accelerate",
+    "accelerate": "zerobridge.translate.accelerate_read:read_accelerate",
     "torchtitan": "zerobridge.translate.torchtitan:read_torchtitan",
     "spec": "zerobridge.translate.formats:read_spec",
 }
@@ -41,8 +41,8 @@ TARGETS: dict[str, str] = {
     "deepspeed": "zerobridge.translate.deepspeed_emit:write_deepspeed",
     "fsdp1": "zerobridge.translate.fsdp1:write_fsdp1",
     "fsdp2": "zerobridge.translate.fsdp2:write_fsdp2",
-    "accelerate-fsdp": "zerobridge.translate.accelerate_emit:write_accelerate_fsdp",
-    "accelerate-deepspeed": "zerobridge.translate.accelerate_emit:write_accelerate_deepspeed",
+    "accelerate-fsdp": "zerobridge.translate.accelerate_write:write_accelerate_fsdp",
+    "accelerate-deepspeed": "zerobridge.translate.accelerate_write:write_accelerate_deepspeed",
     "lightning": "zerobridge.translate.lightning:write_lightning",
     "spec": "zerobridge.translate.formats:write_spec",
 }
