@@ -14,7 +14,7 @@ from conftest import corpus_dir, corpus_files, in_original_layout
 from zerobridge.loading import load
 from zerobridge.spec import ShardingSpec, StrategySpec
 from zerobridge.translate.accelerate_read import read_accelerate
-from zerobridge.translate.deepspeed import read_deepspeed
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.formats import write
 from zerobridge.translate.fsdp1 import read_fsdp1
 from zerobridge.translate.fsdp2 import read_fsdp2

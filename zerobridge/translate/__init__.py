@@ -4,8 +4,8 @@
     >>> spec = read_file("ds_config.json").value                    # doctest: +SKIP
     >>> write(spec, "fsdp2").report.render()                        # doctest: +SKIP
 
-One reader module and one writer module per format (``deepspeed`` /
-``deepspeed_emit``, ``accelerate_read`` / ``accelerate_write`` (with
+One reader module and one writer module per format (``deepspeed_read`` /
+``deepspeed_write``, ``accelerate_read`` / ``accelerate_write`` (with
 ``accelerate_fsdp`` for the FSDP plugin and ``accelerate_common`` for what
 they share), ``fsdp1``, ``fsdp2``,
 ``lightning``, ``torchtitan``), and the shared pieces: ``fsdp_common`` (what

@@ -35,7 +35,7 @@ from zerobridge.translate.accelerate_common import D, FORMAT, P, call_reader, ca
 from zerobridge.translate.accelerate_fsdp import read_fsdp_plugin
 from zerobridge.translate.compilation import read_dynamo
 from zerobridge.translate.compute_copy import note_layout
-from zerobridge.translate.deepspeed import read_deepspeed
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation

@@ -28,7 +28,7 @@ from zerobridge.translate.sources import Located, note_lenient, parse_json, pars
 __all__ = ["SOURCES", "TARGETS", "detect_format", "for_world_size", "read", "read_file", "write"]
 
 SOURCES: dict[str, str] = {
-    "deepspeed": "zerobridge.translate.deepspeed:read_deepspeed",
+    "deepspeed": "zerobridge.translate.deepspeed_read:read_deepspeed",
     "fsdp1": "zerobridge.translate.fsdp1:read_fsdp1",
     "fsdp2": "zerobridge.translate.fsdp2:read_fsdp2",
     "accelerate": "zerobridge.translate.accelerate_read:read_accelerate",
@@ -38,7 +38,7 @@ SOURCES: dict[str, str] = {
 """Format name -> reader (``module:function``), each ``(Located) -> Translation[StrategySpec]``."""
 
 TARGETS: dict[str, str] = {
-    "deepspeed": "zerobridge.translate.deepspeed_emit:write_deepspeed",
+    "deepspeed": "zerobridge.translate.deepspeed_write:write_deepspeed",
     "fsdp1": "zerobridge.translate.fsdp1:write_fsdp1",
     "fsdp2": "zerobridge.translate.fsdp2:write_fsdp2",
     "accelerate-fsdp": "zerobridge.translate.accelerate_write:write_accelerate_fsdp",

@@ -29,7 +29,7 @@ from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import DType, StrategySpec, is_auto
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import note_layout, write_compute_copy
-from zerobridge.translate.deepspeed import read_deepspeed
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.fsdp1 import read_fsdp1
 from zerobridge.translate.keys import SourceKeys, spec_diff, update_spec
 from zerobridge.translate.mapping import load_table
