@@ -117,7 +117,7 @@ def spec_for_stage(stage: int, model: nn.Module | None = None) -> StrategySpec:
 def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
                  config: str | Path | dict[str, Any] | StrategySpec | None) -> StrategySpec:
     """The spec the arguments (or ``ZEROBRIDGE_CONFIG``) name."""
-    from zerobridge.loading import load
+    from zerobridge.load import load_spec
 
     given = [name for name, value in (("stage", stage), ("strategy", strategy), ("config", config)) if value is not None]
     if len(given) > 1:
@@ -126,9 +126,9 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     if stage is not None:
         return spec_for_stage(stage, model)
     if strategy is not None:
-        return load(strategy).value
+        return load_spec(strategy).value
     if config is not None:
-        return load(config).value
+        return load_spec(config).value
     value = os.environ.get(CONFIG_ENV)
     if not value:
         return spec_for_stage(0, model)
@@ -137,7 +137,7 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     kind, choice = decode_choice(value)
     if kind == "stage":
         return spec_for_stage(int(choice), model)
-    return load(str(choice)).value
+    return load_spec(str(choice)).value
 
 
 def _check_model(model: nn.Module) -> None:

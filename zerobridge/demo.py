@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from zerobridge.diffing import diff_specs
+from zerobridge.diff import diff_specs
 from zerobridge.explain import explain
 from zerobridge.registry import resolve
 from zerobridge.translate.formats import write

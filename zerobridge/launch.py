@@ -214,13 +214,13 @@ def validate(args: argparse.Namespace) -> None:
         if not path.is_file():
             raise ConfigError("config file not found", source=args.config, key="--config",
                               fix="check the path; for a registry name use --strategy")
-        from zerobridge.loading import load
+        from zerobridge.load import load_spec
 
-        spec = load(path).value
+        spec = load_spec(path).value
     elif args.strategy is not None:
-        from zerobridge.loading import load
+        from zerobridge.load import load_spec
 
-        spec = load(args.strategy).value
+        spec = load_spec(args.strategy).value
     if spec is not None and getattr(args, "compile", False):
         spec = spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": True})})
     if spec is not None and args.backend in (None, "native"):

@@ -28,8 +28,8 @@ from zerobridge.spec import (
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
 from zerobridge.translate.fsdp_common import (
-    PER_UNIT, TrainingLoopForm, accumulate_dtype_for, check_precision, read_keys, read_mesh, read_training_loop, read_wrap,
-    section, take,
+    PER_UNIT, TrainingLoopForm, accumulate_dtype_for, check_precision, read_keys, read_mesh, read_training_loop,
+    read_wrap, section, take,
 )
 from zerobridge.translate.fsdp_write import (
     StagePlan, checkpoint_format, mesh_form, report_fixed_behaviour, resolve_precision, stage_plan, write_offload,
