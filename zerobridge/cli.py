@@ -30,7 +30,8 @@ from typing import Any
 from zerobridge import __version__
 from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, from_validation_error
+from zerobridge.errors import ConfigError
+from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report
 
 __all__ = ["main"]

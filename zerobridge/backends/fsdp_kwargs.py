@@ -37,11 +37,12 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-from zerobridge.errors import ConfigError, from_validation_error
+from zerobridge.errors import ConfigError
 from zerobridge.spec import StrategySpec, is_auto
 from zerobridge.translate.fsdp1 import CARRIED_FLAGS, HYBRID, MP_CARRIED, write_fsdp1
 from zerobridge.translate.fsdp2 import write_fsdp2
 from zerobridge.translate.fsdp_write import write_wrap
+from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report
 
 __all__ = ["build_mesh", "device_type", "fsdp2_units", "layer_classes", "to_fsdp1_kwargs", "to_fsdp2_kwargs",

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, closest, from_validation_error
+from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
@@ -28,6 +28,7 @@ from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.fsdp1 import read_fsdp1, write_fsdp1
 from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
+from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.lightning import write_lightning
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, note_lenient, parse_json, parse_toml, parse_yaml, read_text
