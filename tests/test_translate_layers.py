@@ -51,7 +51,7 @@ def test_the_layer_imports_no_torch_and_nothing_above_it() -> None:
             assert name.split(".")[0] != "torch" or "translate" not in path.parts, f"{path.name}: {name}"
             if name.startswith("zerobridge."):
                 assert name.startswith(BELOW) or own(name), f"{name_of(path)} imports {name} from above its layer"
-                assert at_top, f"{name_of(path)} imports {name} inside a function, under a condition or by name (importlib)"
+                assert at_top, f"{name_of(path)} imports {name} inside a function, under a condition or by name"
 
 
 def test_the_bottom_layers_import_nothing_above_them() -> None:

@@ -17,9 +17,10 @@ given as constructor options; what a setting means stays in the format's
 module. ``from_validation_error`` turns the first problem of a spec's pydantic
 error into a ``ConfigError`` naming the key (it knows the spec's union tags,
 which ``zerobridge.errors``, the bottom layer, must not); ``update_spec``
-applies dotted-path changes to a spec and validates it again; ``chain_report`` merges a delegate reader's report under the source's
-own key names; ``spec_diff`` lists the fields a written config does not
-reproduce, for the writers' reports.
+applies dotted-path changes to a spec and validates it again;
+``chain_report`` merges a delegate reader's report under the source's own key
+names; ``spec_diff`` lists the fields a written config does not reproduce, for
+the writers' reports.
 """
 
 from __future__ import annotations
