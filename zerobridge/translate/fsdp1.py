@@ -38,7 +38,7 @@ from zerobridge.translate.fsdp_write import (
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import torch_dtype_name
+from zerobridge.translate.values import name_in_torch
 
 __all__ = ["read_fsdp1", "write_fsdp1"]
 
@@ -257,6 +257,6 @@ def _write_mixed_precision(spec: StrategySpec, report: Report, param: DType, red
             v is not None for v in carried.values()):
         return None
     defaults = {"keep_low_precision_grads": False, "cast_forward_inputs": False, "cast_root_forward_inputs": True}
-    return {"param_dtype": torch_dtype_name(param), "reduce_dtype": torch_dtype_name(reduce),
-            "buffer_dtype": torch_dtype_name(p.buffer_dtype) if p.buffer_dtype else None,
+    return {"param_dtype": name_in_torch(param), "reduce_dtype": name_in_torch(reduce),
+            "buffer_dtype": name_in_torch(p.buffer_dtype) if p.buffer_dtype else None,
             **{k: defaults[k] if v is None else v for k, v in carried.items()}}

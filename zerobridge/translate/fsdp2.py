@@ -38,7 +38,7 @@ from zerobridge.translate.fsdp_write import (
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import torch_dtype_name
+from zerobridge.translate.values import name_in_torch
 
 __all__ = ["read_fsdp2", "write_fsdp2"]
 
@@ -128,7 +128,7 @@ def _read_precision(r: SourceKeys, loop: TrainingLoopForm) -> PrecisionSpec:
                f"null: compute in the loaded dtype, {master.value} (training_loop.master_dtype)")
     reduce = take(r, "mp_policy.reduce_dtype") or param
     output = take(r, "mp_policy.output_dtype")
-    r.carry("mp_policy.output_dtype", torch_dtype_name(output) if output else None)
+    r.carry("mp_policy.output_dtype", name_in_torch(output) if output else None)
     r.carry("mp_policy.cast_forward_inputs", take(r, "mp_policy.cast_forward_inputs"), True)
     check_precision(r, "mp_policy.param_dtype", param, master, loop.loss_scaling)
     accumulate = accumulate_dtype_for(loop.batch.grad_sync, master=master, unsharded=reduce)
@@ -235,9 +235,9 @@ def _write_mp_policy(spec: StrategySpec, report: Report, param: DType, reduce: D
                    f"in reduce_dtype (the spec says {p.accumulate_dtype})", target="mp_policy")
     if p.buffer_dtype is not None and p.buffer_dtype is not master:
         report.add("precision.buffer_dtype", Status.NOT_EXPRESSIBLE, "FSDP2 has no buffer dtype: cast the buffers "
-                   f"to {torch_dtype_name(p.buffer_dtype)} before fully_shard", target="mp_policy")
+                   f"to {name_in_torch(p.buffer_dtype)} before fully_shard", target="mp_policy")
     carried = spec.passthrough.get(FMT, {})
-    return {"param_dtype": torch_dtype_name(param), "reduce_dtype": torch_dtype_name(reduce),
+    return {"param_dtype": name_in_torch(param), "reduce_dtype": name_in_torch(reduce),
             "output_dtype": carried.get("mp_policy.output_dtype"),
             "cast_forward_inputs": carried.get("mp_policy.cast_forward_inputs", True)}
 

@@ -42,7 +42,7 @@ from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.mapping import Row, load_table
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import as_int, torch_dtype_name
+from zerobridge.translate.values import as_int, name_in_torch
 
 __all__ = [
     "DIM_NAMES", "PER_UNIT", "TrainingLoopForm", "accumulate_dtype_for", "check_precision", "choice", "read_keys",
@@ -184,12 +184,12 @@ def read_training_loop(r: SourceKeys) -> TrainingLoopForm:
 def check_precision(r: SourceKeys, param_key: str, param: DType, master: DType, loss: LossScaling) -> None:
     """Combinations FSDP runs but the spec cannot state."""
     if master not in (DType.FP32, param):
-        raise r.error(param_key, f"compute dtype {torch_dtype_name(param)} with a model loaded in "
-                      f"{torch_dtype_name(master)}: the spec states master weights as fp32 or the compute dtype",
+        raise r.error(param_key, f"compute dtype {name_in_torch(param)} with a model loaded in "
+                      f"{name_in_torch(master)}: the spec states master weights as fp32 or the compute dtype",
                       fix="load the model in float32, or compute in its loaded dtype")
     if loss.kind != "none" and param is not DType.FP16:
         raise r.error("training_loop.loss_scaler", f"a loss scaler only applies to float16 compute, but compute "
-                      f"runs in {torch_dtype_name(param)}", fix="set loss_scaler to null")
+                      f"runs in {name_in_torch(param)}", fix="set loss_scaler to null")
 
 
 def accumulate_dtype_for(sync: GradSync, *, master: DType, unsharded: DType) -> DType:
