@@ -60,7 +60,7 @@ def _configs(folder: Path) -> list[Path]:
 def measure(preset: str, steps: int) -> dict[str, Any]:
     """Every spec on the native engine, the FSDP-layout bf16 spec on FSDP2 too, in one 2-rank group."""
     from zerobridge.explain import explain
-    from zerobridge.loading import load
+    from zerobridge.load import load_spec
     from zerobridge.testing.cluster import Cluster
 
     out: dict[str, Any] = {}
@@ -68,7 +68,7 @@ def measure(preset: str, steps: int) -> dict[str, Any]:
         configs = _configs(Path(folder))
         runs = [("native", c) for c in configs] + [("fsdp", c) for c in configs if c.stem == "bf16-gathered-z3"]
         for backend, config in runs:
-            spec = load(config).value
+            spec = load_spec(config).value
             ranks = cluster.run("zerobridge.testing.measure:gpt_model_state", preset=preset,
                                 spec=spec, backend=backend, steps=steps, **SHAPES[preset])
             params = ranks[0]["params"]

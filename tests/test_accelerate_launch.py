@@ -15,11 +15,11 @@ import yaml
 
 from conftest import corpus_files
 from zerobridge.errors import ConfigError
-from zerobridge.loading import load
+from zerobridge.load import load_spec
 from zerobridge.registry import strategies
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.compilation import CompileMode, CompileScope, CompileSpec
-from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
 from zerobridge.translate.formats import for_world_size
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -80,7 +80,7 @@ def test_registry_entries_launch(entry: Any, target: str, tmp_path: Path, monkey
                          ids=lambda p: p.name)
 def test_corpus_files_launch(path: Path, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     try:
-        spec = load(path).value
+        spec = load_spec(path).value
     except ConfigError as exc:  # e.g. a template naming a DeepSpeed file the corpus does not hold
         pytest.skip(f"the source itself does not load: {exc.message}")
     check(spec, target, tmp_path, monkeypatch)
@@ -88,7 +88,7 @@ def test_corpus_files_launch(path: Path, target: str, tmp_path: Path, monkeypatc
 
 def test_without_a_world_size_accelerate_refuses_and_the_report_says_which_flag(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    translation = write_accelerate_fsdp(load("zero3").value)
+    translation = write_accelerate_fsdp(load_spec("zero3").value)
     entry = translation.report.find("sharding.world_size")
     assert entry is not None and "--world-size N" in entry.note and "--num_processes N" in entry.note
     with pytest.raises(ValueError, match="num_processes"):
@@ -103,7 +103,7 @@ def test_compiled_spec_launches_with_its_dynamo_plugin(scope: CompileScope, tmp_
 
     compile = CompileSpec(enabled=True, backend="aot_eager", mode=CompileMode.MAX_AUTOTUNE_NO_CUDAGRAPHS, scope=scope,
                           fullgraph=True, dynamic=True)
-    check(load("zero3").value.model_copy(update={"compile": compile}), "accelerate-fsdp", tmp_path, monkeypatch)
+    check(load_spec("zero3").value.model_copy(update={"compile": compile}), "accelerate-fsdp", tmp_path, monkeypatch)
     plugin = TorchDynamoPlugin()
     assert plugin.backend.value == "AOT_EAGER" and plugin.mode == compile.mode.value
     assert plugin.fullgraph is True and plugin.dynamic is True
@@ -116,7 +116,7 @@ def test_deepspeed_runs_get_no_dynamo_settings(tmp_path: Path, monkeypatch: pyte
     distributed_type DEEPSPEED never reaches the training process."""
     from accelerate.utils import TorchDynamoPlugin
 
-    spec = for_world_size(load("zero2").value, WORLD)
+    spec = for_world_size(load_spec("zero2").value, WORLD)
     config = {**write_accelerate_deepspeed(spec).value, "dynamo_config": {"dynamo_backend": "INDUCTOR"}}
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
     launched(config, tmp_path, monkeypatch)

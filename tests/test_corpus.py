@@ -13,7 +13,7 @@ import yaml
 
 from conftest import corpus_files, in_original_layout
 from zerobridge.cli import main
-from zerobridge.loading import load
+from zerobridge.load import load_spec
 from zerobridge.translate.formats import TARGETS, YAML_TARGETS
 
 pytestmark = pytest.mark.corpus
@@ -35,7 +35,7 @@ def test_converts_to_every_target(path: Path, capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.parametrize("path", corpus_files("torchtitan"), ids=lambda p: p.name)
 def test_torchtitan_reads_into_the_spec(path: Path) -> None:
-    translation = load(path)
+    translation = load_spec(path)
     assert translation.value.sharding.stage.value == 3  # torchtitan shards with FSDP2
     assert translation.report.entries
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from conftest import corpus_files
 from zerobridge.registry import strategies
-from zerobridge.translate.deepspeed import read_deepspeed
-from zerobridge.translate.deepspeed_emit import write_deepspeed
+from zerobridge.translate.deepspeed_read import read_deepspeed
+from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.sources import parse_json, read_text
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, ParamSharding, Stage, StrategySpec
 from zerobridge.spec.checkpoint import CheckpointFormat
-from zerobridge.translate.accelerate import read_accelerate
-from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
-from zerobridge.translate.deepspeed import read_deepspeed
+from zerobridge.translate.accelerate_read import read_accelerate
+from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.report import Status, Translation
 from zerobridge.translate.sources import Located, parse_yaml
 

@@ -17,11 +17,12 @@ from zerobridge.cli import main
 from zerobridge.errors import ConfigError
 from zerobridge.spec import ShardingSpec, StrategySpec
 from zerobridge.spec.compilation import CompileMode, CompileScope, CompileSpec
-from zerobridge.translate.accelerate import read_accelerate
-from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
-from zerobridge.translate.deepspeed import read_deepspeed
-from zerobridge.translate.deepspeed_emit import write_deepspeed
-from zerobridge.translate.fsdp import read_fsdp2, write_fsdp1, write_fsdp2
+from zerobridge.translate.accelerate_read import read_accelerate
+from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.deepspeed_read import read_deepspeed
+from zerobridge.translate.deepspeed_write import write_deepspeed
+from zerobridge.translate.fsdp1 import write_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
 from zerobridge.translate.lightning import write_lightning
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, parse_json, parse_toml, parse_yaml, read_text
@@ -99,7 +100,7 @@ def test_the_corpus_compile_configs_are_there_when_the_corpus_is() -> None:
 
 
 @pytest.mark.parametrize("spec", [COMPILED, compiled(enabled=True), compiled(enabled=True, scope=CompileScope.MODEL)])
-def test_deepspeed_emit_validates_and_names_the_call(spec: StrategySpec) -> None:
+def test_deepspeed_write_validates_and_names_the_call(spec: StrategySpec) -> None:
     config = pytest.importorskip("deepspeed.runtime.config")
     written = write_deepspeed(spec)
     config.DeepSpeedConfig({**written.value, "train_micro_batch_size_per_gpu": 1})

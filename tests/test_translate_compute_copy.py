@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 
 from conftest import corpus_dir, corpus_files, in_original_layout
-from zerobridge.loading import load
+from zerobridge.load import load_spec
 from zerobridge.spec import ShardingSpec, StrategySpec
-from zerobridge.translate.accelerate import read_accelerate
-from zerobridge.translate.deepspeed import read_deepspeed
+from zerobridge.translate.accelerate_read import read_accelerate
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.formats import write
-from zerobridge.translate.fsdp import read_fsdp1, read_fsdp2
+from zerobridge.translate.fsdp1 import read_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2
 from zerobridge.translate.lightning import read_lightning, write_lightning
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, parse_toml, parse_yaml
@@ -149,7 +150,7 @@ def test_round_trip_through_the_own_flavor_keeps_the_layout(layout: str) -> None
         written = write(spec("bf16", layout), target).value
         fmt = {"accelerate-deepspeed": "accelerate", "accelerate-fsdp": "accelerate"}.get(target, target)
         back = read_accelerate(Located(written, "<written>")) if fmt == "accelerate" else \
-            load(written, fmt=fmt)
+            load_spec(written, fmt=fmt)
         assert back.value.precision.compute_copy == layout, target
 
 
@@ -174,7 +175,7 @@ def test_every_corpus_file_reads_its_flavors_layout(tmp_path: Path) -> None:
     for path in CORPUS:
         here = tmp_path / path.name
         here.mkdir()
-        t = load(in_original_layout(path, here))
+        t = load_spec(in_original_layout(path, here))
         p = t.value.precision
         if not (p.mixed or p.param_dtype == "auto"):
             assert p.compute_copy == "stored" and layout_entries(t.report) == [], path.name

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from zerobridge.errors import ConfigError
 from zerobridge.spec import AUTO, DType, Stage, StrategySpec
 from zerobridge.spec.checkpoint import CheckpointFormat
-from zerobridge.translate.deepspeed import read_deepspeed
-from zerobridge.translate.deepspeed_emit import write_deepspeed
+from zerobridge.translate.deepspeed_read import read_deepspeed
+from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.report import Status
 from conftest import corpus_files
 from zerobridge.translate.sources import Located, parse_json

@@ -9,7 +9,7 @@ import pytest
 from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, ParamSharding, Stage, StrategySpec
 from zerobridge.spec.checkpoint import CheckpointFormat
-from zerobridge.translate.deepspeed import read_deepspeed
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.lightning import lightning_names, read_lightning, write_lightning
 from zerobridge.translate.report import Status
 from zerobridge.translate.sources import Located

@@ -6,8 +6,38 @@
 
 The training API (``prepare``, ``clip_grad_norm_``, ``full_state_dict``,
 ``stats``, ``reset_stats``) and checkpoints (``save_checkpoint``,
-``load_checkpoint``, ``save_full``, ``load_pretrained``) load torch on first use, so config
-conversion stays fast.
+``load_checkpoint``, ``save_full``, ``load_pretrained``) live in
+``zerobridge.api`` and load torch on first use here, so config conversion
+stays fast.
+
+[Note: layers]
+The package is cut into layers, bottom first (``LAYERS``). A module imports
+only from its own layer or the layers below it, never above, and no imports
+form a cycle: ``tests/test_layers.py`` walks every import (at module top,
+inside functions, under ``TYPE_CHECKING``, and module names in strings) and
+fails on any that breaks this. An import inside a function is there only to
+keep a heavy dependency (torch, deepspeed, transformers, matplotlib) off the
+importer's start-up, with the reason on its line.
+
+ 0  base         ``_version``, ``errors``, ``resources``: import nothing of zerobridge
+ 1  spec         the partitioning spec (pydantic, frozen), stage presets
+ 2  env          every ``ZEROBRIDGE_*`` variable and its grammar
+ 3  translators  ``translate/`` (tables in ``mappings/``), ``registry``, ``load``, ``explain``,
+                 ``diff``: torch-free data work
+ 4  distributed  process groups and devices (``distributed``); the built-in models (``models/``)
+ 5  runtime      the run rules every backend shares (``runtime/``): plan, accumulation
+                 window, step rules, loss scaling, wrap units, compile, comm stats, deferred init
+ 6  mechanisms   the native engine (``engine/``), the checkpoint format (``checkpoint/``),
+                 pretrained weight files (``pretrained/``): independent of one another
+ 7  backends     one folder per backend (``backends/native``, ``fsdp``, ``deepspeed``) with the
+                 same file names, the ``Backend`` interface, preflight checks
+ 8  api          the public calls; ``prepare`` dispatches to a backend
+ 9  tools        ``launch`` (``zerobridge run``), ``harness/`` (spawned process groups),
+                 ``compare/``, ``docgen``
+10  entry        ``cli``, ``demo``, ``testing/`` (test and bench workers), this facade
+
+docs/architecture.md has a paragraph per layer and where a new backend or
+translator goes.
 """
 
 from __future__ import annotations
@@ -18,20 +48,28 @@ from zerobridge._version import __version__ as __version__
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "load_checkpoint", "load_pretrained", "prepare", "reset_stats",
            "save_checkpoint", "save_full", "stats"]
-_CHECKPOINT = frozenset({"load_checkpoint", "save_checkpoint", "save_full"})
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("zerobridge._version", "zerobridge.errors", "zerobridge.resources"),
+    ("zerobridge.spec",),
+    ("zerobridge.env",),
+    ("zerobridge.translate", "zerobridge.registry", "zerobridge.load", "zerobridge.explain", "zerobridge.diff"),
+    ("zerobridge.distributed", "zerobridge.models"),
+    ("zerobridge.runtime",),
+    ("zerobridge.engine", "zerobridge.checkpoint", "zerobridge.pretrained"),
+    ("zerobridge.backends",),
+    ("zerobridge.api",),
+    ("zerobridge.launch", "zerobridge.harness", "zerobridge.compare", "zerobridge.docgen"),
+    ("zerobridge.cli", "zerobridge.demo", "zerobridge.testing", "zerobridge"),
+)
+"""The layers, bottom first (the note above); ``zerobridge`` alone names this module, not the package."""
+INDEPENDENT = frozenset({6})
+"""Layers whose groups never import one another."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CHECKPOINT:
-        from zerobridge.checkpoint import api as checkpoint_api
-
-        return getattr(checkpoint_api, name)
-    if name == "load_pretrained":
-        from zerobridge.pretrained.load import load_pretrained
-
-        return load_pretrained
     if name in __all__:
-        from zerobridge import api
+        from zerobridge import api  # lazy: loads torch, which converting a config never needs
 
         return getattr(api, name)
     raise AttributeError(f"module 'zerobridge' has no attribute {name!r}")

@@ -34,6 +34,7 @@ from zerobridge.engine.materialize import materialize_engine
 from zerobridge.engine.mesh import build_mesh
 from zerobridge.env import choice_from_env, resolve_allow_approximate, resolve_backend, resolve_compile
 from zerobridge.errors import ConfigError
+from zerobridge.load import load_spec
 from zerobridge.runtime.deferred_init import Replay, is_meta_model, materialize_device, replay_on_every_rank
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
@@ -94,8 +95,6 @@ _CLASSES: dict[type, type] = {}
 def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
                  config: str | Path | dict[str, Any] | StrategySpec | None) -> StrategySpec:
     """The spec the arguments (or ``ZEROBRIDGE_CONFIG``) name."""
-    from zerobridge.loading import load
-
     given = [name for name, value in (("stage", stage), ("strategy", strategy), ("config", config)) if value is not None]
     if len(given) > 1:
         raise ConfigError(f"prepare() got {' and '.join(given)}: name the strategy once",
@@ -103,16 +102,16 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     if stage is not None:
         return spec_for_stage(stage, model)
     if strategy is not None:
-        return load(strategy).value
+        return load_spec(strategy).value
     if config is not None:
-        return load(config).value
+        return load_spec(config).value
     chosen = choice_from_env()
     if chosen is None:
         return spec_for_stage(0, model)
     kind, choice = chosen
     if kind == "stage":
         return spec_for_stage(int(choice), model)
-    return load(str(choice)).value
+    return load_spec(str(choice)).value
 
 
 def _check_model(model: nn.Module) -> None:

@@ -30,7 +30,8 @@ from typing import Any
 from zerobridge._version import __version__
 from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, from_validation_error
+from zerobridge.errors import ConfigError
+from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report
 
 __all__ = ["main"]
@@ -136,10 +137,10 @@ def _render(value: Any, target: str) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from zerobridge.loading import load
+    from zerobridge.load import load_spec
     from zerobridge.translate.formats import for_world_size, write
 
-    read = load(args.source, fmt=args.fmt)
+    read = load_spec(args.source, fmt=args.fmt)
     spec = read.value if args.world_size is None else for_world_size(read.value, args.world_size)
     written = write(spec, args.to)
     if args.explain:
@@ -156,9 +157,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from zerobridge.explain import explain
-    from zerobridge.loading import load
+    from zerobridge.load import load_spec
 
-    read = load(args.source, fmt=args.fmt)
+    read = load_spec(args.source, fmt=args.fmt)
     result = explain(read.value, params=args.params, world_size=args.world_size,
                      local_world_size=args.local_world_size, optimizer=args.optimizer)
     _warn(read.report)
@@ -167,10 +168,10 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from zerobridge.diffing import diff_specs
-    from zerobridge.loading import load
+    from zerobridge.diff import diff_specs
+    from zerobridge.load import load_spec
 
-    a, b = load(args.a), load(args.b)
+    a, b = load_spec(args.a), load_spec(args.b)
     result = diff_specs(a.value, b.value)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))

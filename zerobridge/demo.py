@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from zerobridge.diffing import diff_specs
+from zerobridge.diff import diff_specs
 from zerobridge.explain import explain
 from zerobridge.registry import resolve
 from zerobridge.translate.formats import write
@@ -28,7 +28,7 @@ def run_demo() -> int:
     print(json.dumps(fsdp2.value, indent=2))
     print(fsdp2.report.render())
     print("\n== DeepSpeed JSON -> spec -> DeepSpeed JSON -> spec")
-    from zerobridge.translate.deepspeed import read_deepspeed
+    from zerobridge.translate.deepspeed_read import read_deepspeed
 
     ds = write(spec, "deepspeed").value
     back = read_deepspeed(Located(ds, "<demo>")).value.model_copy(update={"name": spec.name})

@@ -1,7 +1,10 @@
 """User-facing errors: what was wrong, where, and how to fix it.
 
 Every error a user can cause is a ``ConfigError``. The CLI prints its message
-and exits 2; nothing else escapes as a traceback.
+and exits 2; nothing else escapes as a traceback. This module is the bottom
+layer and imports nothing from zerobridge: turning a spec validation error into
+a ``ConfigError`` needs the spec's union tags, so ``from_validation_error``
+lives in ``zerobridge.translate.keys``.
 """
 
 from __future__ import annotations
@@ -10,9 +13,7 @@ import difflib
 from collections.abc import Iterable
 from pathlib import Path
 
-from pydantic import ValidationError
-
-__all__ = ["ConfigError", "closest", "from_validation_error"]
+__all__ = ["ConfigError", "closest"]
 
 
 class ConfigError(ValueError):
@@ -72,34 +73,3 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
     """The most similar of ``choices``, or None when nothing is close."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return match[0] if match else None
-
-
-def _union_tags() -> frozenset[str]:
-    """Tag values of the spec's discriminated unions (they appear in error locations)."""
-    from zerobridge.spec import (
-        DynamicLossScale, EveryModuleWrap, NoLossScale, RootWrap, SizeWrap, StaticLossScale, TransformerWrap,
-    )
-
-    tags = [m.model_fields["kind"].default for m in (NoLossScale, StaticLossScale, DynamicLossScale)]
-    tags += [m.model_fields["policy"].default for m in (RootWrap, EveryModuleWrap, TransformerWrap, SizeWrap)]
-    return frozenset(tags)
-
-
-def from_validation_error(
-    error: ValidationError, *, source: str | Path | None = None, key_prefix: str = ""
-) -> ConfigError:
-    """The first problem of a pydantic error as a ``ConfigError``."""
-    first = error.errors()[0]
-    loc = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "tagged-union"))]
-    # Union branches add their type names or tag values to the location; keep
-    # real keys only.
-    loc = [part for part in loc if not part.startswith(("int", "str", "literal", "constrained"))
-           and part not in _union_tags()]
-    key = ".".join(part for part in [key_prefix, *loc] if part) or None
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden" and loc:
-        message = f"unknown key {loc[-1]!r}"
-    extra = len(error.errors()) - 1
-    if extra > 0 and first["type"] != "extra_forbidden":
-        message += f" (and {extra} more problem{'s' if extra > 1 else ''})"
-    return ConfigError(message, source=source, key=key)

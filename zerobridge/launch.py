@@ -44,7 +44,7 @@ from zerobridge import env as zenv
 from zerobridge.backends.preflight import preflight
 from zerobridge.env import BACKENDS, encode_choice
 from zerobridge.errors import ConfigError
-from zerobridge.loading import load as load_spec
+from zerobridge.load import load_spec
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import STAGES, spec_for_stage
 

@@ -27,6 +27,8 @@ from typing import Any
 from zerobridge.errors import ConfigError, closest
 from zerobridge.resources import data_dir
 from zerobridge.spec import StrategySpec
+from zerobridge.translate.formats import read
+from zerobridge.translate.lightning import lightning_names, read_lightning
 from zerobridge.translate.report import Translation
 from zerobridge.translate.sources import Located
 
@@ -53,8 +55,6 @@ class Strategy:
 
     def spec(self) -> Translation[StrategySpec]:
         """The spec this entry means, read through its flavor's translator."""
-        from zerobridge.translate.formats import read
-
         translation = read(Located(self.source_config, str(self.file)), self.source_format)
         spec = translation.value.model_copy(update={"name": self.name})
         return Translation(spec, translation.report)
@@ -99,8 +99,6 @@ def _key(name: str) -> str:
 
 def names() -> list[str]:
     """Every name and alias that resolves, including Lightning's."""
-    from zerobridge.translate.lightning import lightning_names
-
     own = [n for entry in strategies() for n in (entry.name, *entry.aliases)]
     return own + list(ACCELERATE_CODES) + lightning_names()
 
@@ -111,8 +109,6 @@ def resolve(name: str) -> Translation[StrategySpec]:
     entry = _index().get(_key(name))
     if entry is not None:
         return entry.spec()
-    from zerobridge.translate.lightning import lightning_names, read_lightning
-
     bare = name.removeprefix("lightning:")
     if bare in lightning_names():
         return read_lightning(bare)

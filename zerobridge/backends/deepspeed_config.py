@@ -7,7 +7,7 @@
     (2, 2, 1)
 
 The spec goes through the same translator as ``zerobridge translate --to
-deepspeed`` (``zerobridge.translate.deepspeed_emit``); its report decides:
+deepspeed`` (``zerobridge.translate.deepspeed_write``); its report decides:
 
 - entries that change only *when* or *in which pieces* DeepSpeed moves data
   (bucket sizes, prefetch timing, gather granularity: ``SCHEDULING``) and
@@ -31,7 +31,7 @@ from typing import Any
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import CompileScope, DType, StrategySpec, is_auto
-from zerobridge.translate.deepspeed_emit import write_deepspeed
+from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.report import Entry, Report, Status
 
 __all__ = ["SCHEDULING", "DeepSpeedPlan", "build_config", "launch_problems", "refusal"]

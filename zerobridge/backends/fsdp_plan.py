@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerobridge.backends.fsdp_kwargs import with_world_size
 from zerobridge.errors import ConfigError
 from zerobridge.spec import StrategySpec
-from zerobridge.translate.fsdp import with_world_size
 from zerobridge.translate.fsdp2 import write_fsdp2
 from zerobridge.translate.report import Entry, Status
 

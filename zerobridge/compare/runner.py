@@ -117,8 +117,8 @@ def after_warmup(per_step: Sequence[_T]) -> Sequence[_T]:
 
 def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: bool = False
               ) -> list[tuple[str, StrategySpec, bool]]:
+    from zerobridge.load import load_spec
     from zerobridge.spec.presets import spec_for_stage
-    from zerobridge.loading import load
 
     def compiled(spec: StrategySpec) -> StrategySpec:
         return spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": True})}) \
@@ -131,7 +131,7 @@ def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: boo
         while label in seen:
             label += "'"
         seen.add(label)
-        specs.append((label, compiled(load(config).value), False))
+        specs.append((label, compiled(load_spec(config).value), False))
     return specs
 
 

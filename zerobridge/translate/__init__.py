@@ -4,11 +4,20 @@
     >>> spec = read_file("ds_config.json").value                    # doctest: +SKIP
     >>> write(spec, "fsdp2").report.render()                        # doctest: +SKIP
 
-One reader module and one writer module per format (``deepspeed`` /
-``deepspeed_emit``, ``accelerate`` / ``accelerate_emit``, ``fsdp1``, ``fsdp2``,
-``lightning``, ``torchtitan``), and the shared pieces: ``fsdp`` (what the two
-FSDP translators share) and ``fsdp_emit`` (what their writers share),
-``compute_copy`` (which layout of the 16-bit copy each flavor keeps), ``report``, ``mapping`` (tables in ``mappings/``), ``keys`` (reading a
-source's keys through its table), ``sources`` (parsing with positions) and
-``values`` (coercion). ``formats`` routes by format name.
+One reader module and one writer module per format (``deepspeed_read`` /
+``deepspeed_write``, ``accelerate_read`` / ``accelerate_write`` (with
+``accelerate_fsdp`` for the FSDP plugin and ``accelerate_common`` for what
+they share), ``fsdp1``, ``fsdp2``, ``lightning``, ``torchtitan``), and the
+shared pieces: ``fsdp_common`` (what the two FSDP readers share) and
+``fsdp_write`` (what their writers share), ``compute_copy`` (which layout of
+the 16-bit copy each flavor keeps), ``compilation`` (the compile settings of
+each flavor), ``report``, ``mapping`` (tables in ``mappings/``), ``keys``
+(reading a source's keys through its table), ``sources`` (parsing with
+positions) and ``values`` (coercion). ``formats`` routes by format name.
+
+The package is data in, data out: it never imports torch, and it imports only
+``zerobridge.errors``, ``zerobridge.resources``, ``zerobridge.spec`` and its
+own modules, each at module top. Live torch objects built from the FSDP forms
+are in ``zerobridge.backends.fsdp_kwargs``; ``zerobridge.load.load_spec`` (a
+strategy however it is named) sits above, beside ``zerobridge.registry``.
 """

@@ -1,10 +1,10 @@
 """Accelerate's FSDP plugin (``distributed_type: FSDP``) -> spec: the FSDP1 or
 FSDP2 keyword arguments Accelerate builds from ``fsdp_config``, read by the
 FSDP readers, plus what Accelerate adds (hybrid groups, its meshes, fp32
-upcast). Called by ``accelerate.read_accelerate``.
+upcast). Called by ``accelerate_read.read_accelerate``.
 
     >>> from zerobridge.translate.sources import parse_yaml
-    >>> from zerobridge.translate.accelerate import read_accelerate
+    >>> from zerobridge.translate.accelerate_read import read_accelerate
     >>> yaml = "{distributed_type: FSDP, num_processes: 4, fsdp_config: {fsdp_sharding_strategy: SHARD_GRAD_OP}}"
     >>> read_accelerate(parse_yaml(yaml, "a.yaml")).value.summary()
     'stage 3, params reshard_after_backward, compute fp32'
@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from zerobridge.spec import StrategySpec
-from zerobridge.translate.accelerate import F, P, _call, _carry_machines
+from zerobridge.translate.accelerate_common import F, P, call_reader, carry_machines
+from zerobridge.translate.fsdp1 import read_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2
 from zerobridge.translate.keys import FALSY, TRUTHY, SourceKeys, chain_report, update_spec
 from zerobridge.translate.report import Status
 
@@ -43,7 +45,6 @@ _FSDP_RENAMES = {
 
 def read_fsdp_plugin(keys: SourceKeys, mixed: str, world: int | None) -> StrategySpec:
     """Accelerate's FSDP plugin (``fsdp_config``, FSDP1 or FSDP2) as a spec."""
-    from zerobridge.translate.fsdp import read_fsdp1, read_fsdp2
     version = keys.get(F + "fsdp_version")
     if version not in (1, 2):
         raise keys.located.error(f"expected 1 or 2, got {version!r}", key=keys.key(F + "fsdp_version"))
@@ -76,7 +77,7 @@ def read_fsdp_plugin(keys: SourceKeys, mixed: str, world: int | None) -> Strateg
             "use_orig_params": keys.flag(F + "fsdp_use_orig_params", "true"),
             "sync_module_states": keys.flag(F + "fsdp_sync_module_states", "true"), "training_loop": loop}
         keys.note(F + "fsdp_forward_prefetch")
-        t = _call(keys.located, read_fsdp1, kwargs, "FSDP1 kwargs", F + "fsdp_sharding_strategy")
+        t = call_reader(keys.located, read_fsdp1, kwargs, "FSDP1 kwargs", F + "fsdp_sharding_strategy")
         dp_world = world
     else:
         reshard = _fsdp2_reshard(keys)
@@ -88,7 +89,7 @@ def read_fsdp_plugin(keys: SourceKeys, mixed: str, world: int | None) -> Strateg
                   "offload_policy": {"pin_memory": True} if offload else None,
                   "mp_policy": {"param_dtype": name, "reduce_dtype": name, "output_dtype": name} if name else None,
                   "wrap": wrap, "training_loop": {**loop, "full_state_dict": sdt == "FULL_STATE_DICT"}}
-        t = _call(keys.located, read_fsdp2, kwargs, "FSDP2 kwargs", F + "fsdp_reshard_after_forward")
+        t = call_reader(keys.located, read_fsdp2, kwargs, "FSDP2 kwargs", F + "fsdp_reshard_after_forward")
     chain_report(keys.report, t.report, _FSDP_RENAMES, f"FSDP{version} kwarg")
     return update_spec(t.value, {"sharding.world_size": dp_world}, source=keys.located.source)
 
@@ -193,7 +194,7 @@ def _prefetch(keys: SourceKeys, version: int) -> str | None:
 
 def _hybrid_mesh(keys: SourceKeys, strategy: str, wrap: Any, world: int | None) -> list[int] | None:
     if not strategy.startswith("HYBRID"):
-        _carry_machines(keys, "FSDP shards over every process of every machine")
+        carry_machines(keys, "FSDP shards over every process of every machine")
         return None
     if wrap is None:
         raise keys.located.error(f"{strategy} with no fsdp_auto_wrap_policy: FSDP refuses a hybrid strategy with "
@@ -214,7 +215,7 @@ def _hybrid_mesh(keys: SourceKeys, strategy: str, wrap: Any, world: int | None) 
 
 
 def _fsdp2_mesh(keys: SourceKeys, world: int | None) -> tuple[list[int] | None, int | None]:
-    _carry_machines(keys, "FSDP2 takes hybrid groups from parallelism_config, not from machines")
+    carry_machines(keys, "FSDP2 takes hybrid groups from parallelism_config, not from machines")
     names = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
     if not any(keys.given(f"{P}{n}_size") for n in names):
         return None, world
@@ -236,7 +237,4 @@ def _fsdp2_mesh(keys: SourceKeys, world: int | None) -> tuple[list[int] | None, 
         elif keys.given(f"{P}{n}_size"):
             keys.note(f"{P}{n}_size", Status.EXACT, "off")
     return ([replicate, group] if replicate > 1 else [group]), replicate * group
-
-
-# DeepSpeed --------------------------------------------------------------------------------------------
 

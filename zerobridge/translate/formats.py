@@ -8,55 +8,41 @@
     False
 
 Readers and writers live one module per format; this module only routes to
-them (imported on first use, so ``zerobridge --help`` does not import torch).
+them by format name, through ``SOURCES`` and ``TARGETS`` (at the end of the
+module, after the spec's own reader and writer, which they list too).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, closest, from_validation_error
+from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import StrategySpec
+from zerobridge.translate.accelerate_read import read_accelerate
+from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.deepspeed_read import read_deepspeed
+from zerobridge.translate.deepspeed_write import write_deepspeed
+from zerobridge.translate.fsdp1 import read_fsdp1, write_fsdp1
+from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
+from zerobridge.translate.keys import from_validation_error
+from zerobridge.translate.lightning import write_lightning
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, note_lenient, parse_json, parse_toml, parse_yaml, read_text
+from zerobridge.translate.torchtitan import read_torchtitan
 
 __all__ = ["SOURCES", "TARGETS", "detect_format", "for_world_size", "read", "read_file", "write"]
 
-SOURCES: dict[str, str] = {
-    "deepspeed": "zerobridge.translate.deepspeed:read_deepspeed",
-    "fsdp1": "zerobridge.translate.fsdp:read_fsdp1",
-    "fsdp2": "zerobridge.translate.fsdp:read_fsdp2",
-    "accelerate": "zerobridge.translate.accelerate:read_accelerate",
-    "torchtitan": "zerobridge.translate.torchtitan:read_torchtitan",
-    "spec": "zerobridge.translate.formats:read_spec",
-}
-"""Format name -> reader (``module:function``), each ``(Located) -> Translation[StrategySpec]``."""
-
-TARGETS: dict[str, str] = {
-    "deepspeed": "zerobridge.translate.deepspeed_emit:write_deepspeed",
-    "fsdp1": "zerobridge.translate.fsdp:write_fsdp1",
-    "fsdp2": "zerobridge.translate.fsdp:write_fsdp2",
-    "accelerate-fsdp": "zerobridge.translate.accelerate_emit:write_accelerate_fsdp",
-    "accelerate-deepspeed": "zerobridge.translate.accelerate_emit:write_accelerate_deepspeed",
-    "lightning": "zerobridge.translate.lightning:write_lightning",
-    "spec": "zerobridge.translate.formats:write_spec",
-}
-"""``--to`` name -> writer, each ``(StrategySpec) -> Translation[dict]``."""
+Reader = Callable[[Located], Translation[StrategySpec]]
+Writer = Callable[[StrategySpec], Translation[Any]]
 
 YAML_TARGETS = frozenset({"accelerate-fsdp", "accelerate-deepspeed"})
 """Targets whose natural file form is YAML (Accelerate config files)."""
 
 _SPEC_KEYS = frozenset(StrategySpec.model_fields)
-
-
-def _load(ref: str) -> Callable[..., Any]:
-    module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
 def detect_format(located: Located) -> str:
@@ -104,7 +90,7 @@ def read(located: Located, fmt: str | None = None) -> Translation[StrategySpec]:
     if fmt not in SOURCES:
         raise ConfigError(f"unknown source format {fmt!r}", fix=f"use one of: {', '.join(SOURCES)}")
     try:
-        translation: Translation[StrategySpec] = _load(SOURCES[fmt])(located)
+        translation = SOURCES[fmt](located)
     except ConfigError as exc:
         raise exc.located(source=located.source) from None
     note_lenient(located, translation.report)
@@ -123,7 +109,7 @@ def write(spec: StrategySpec, target: str) -> Translation[Any]:
         suggestion = closest(target, TARGETS)
         raise ConfigError(f"unknown target {target!r}",
                           fix=f"did you mean {suggestion!r}?" if suggestion else f"use one of: {', '.join(TARGETS)}")
-    return _load(TARGETS[target])(spec)  # type: ignore[no-any-return]
+    return TARGETS[target](spec)
 
 
 def for_world_size(spec: StrategySpec, world_size: int) -> StrategySpec:
@@ -179,3 +165,25 @@ def _suggest(error: ConfigError, loc: list[str]) -> ConfigError:
 def write_spec(spec: StrategySpec) -> Translation[dict[str, Any]]:
     """The spec itself, every field stated."""
     return Translation(spec.dump(), Report(source="spec", target="spec"))
+
+
+SOURCES: dict[str, Reader] = {
+    "deepspeed": read_deepspeed,
+    "fsdp1": read_fsdp1,
+    "fsdp2": read_fsdp2,
+    "accelerate": read_accelerate,
+    "torchtitan": read_torchtitan,
+    "spec": read_spec,
+}
+"""Format name -> reader, each ``(Located) -> Translation[StrategySpec]``."""
+
+TARGETS: dict[str, Writer] = {
+    "deepspeed": write_deepspeed,
+    "fsdp1": write_fsdp1,
+    "fsdp2": write_fsdp2,
+    "accelerate-fsdp": write_accelerate_fsdp,
+    "accelerate-deepspeed": write_accelerate_deepspeed,
+    "lightning": write_lightning,
+    "spec": write_spec,
+}
+"""``--to`` name -> writer, each ``(StrategySpec) -> Translation[dict]``."""

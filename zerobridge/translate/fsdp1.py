@@ -12,15 +12,14 @@ The JSON form is FSDP1's constructor keywords under torch's names plus
 ``training_loop`` (mappings/fsdp1.toml lists every key). Reading states every
 spec field from FSDP1's effective behaviour; writing reports each spec setting
 FSDP1 cannot state. ``read_fsdp1(write_fsdp1(s))`` gives back ``s`` for every
-``s`` read from this format. ``to_fsdp1_kwargs`` builds the live torch objects.
+``s`` read from this format. ``zerobridge.backends.fsdp_kwargs.to_fsdp1_kwargs``
+builds the live torch objects.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from zerobridge.errors import ConfigError
 from zerobridge.spec import (
     BackwardPrefetch, CheckpointFormat, CommunicationSpec, DType, GradSync, OffloadDevice, OffloadSpec,
     OptimizerOffload, ParamOffload, ParamSharding, PrecisionSpec, RootWrap, ShardingSpec,
@@ -28,23 +27,20 @@ from zerobridge.spec import (
 )
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
-from zerobridge.translate.fsdp import (
-    PER_UNIT, Loop, accumulate_dtype_for, build_mesh, check_precision, choice, layer_classes, read_keys, read_mesh,
-    read_training_loop, read_wrap, section, take, with_world_size,
+from zerobridge.translate.fsdp_common import (
+    PER_UNIT, TrainingLoopForm, accumulate_dtype_for, check_precision, choice, read_keys, read_mesh, read_training_loop,
+    read_wrap, section, take,
 )
-from zerobridge.translate.fsdp_emit import (
+from zerobridge.translate.fsdp_write import (
     StagePlan, checkpoint_format, mesh_form, report_fixed_behaviour, resolve_precision, stage_plan, write_offload,
     write_training_loop, write_wrap,
 )
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import torch_dtype_name
+from zerobridge.translate.values import name_in_torch
 
-if TYPE_CHECKING:
-    from torch import nn
-
-__all__ = ["read_fsdp1", "to_fsdp1_kwargs", "write_fsdp1"]
+__all__ = ["read_fsdp1", "write_fsdp1"]
 
 FMT = "fsdp1"
 HYBRID = {"HYBRID_SHARD": "FULL_SHARD", "_HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}
@@ -141,7 +137,7 @@ def _read_sharding(r: SourceKeys) -> ShardingSpec:
     return ShardingSpec.for_stage(3, parameters=parameters, shard_group=shape[1], world_size=world)
 
 
-def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
+def _read_precision(r: SourceKeys, loop: TrainingLoopForm) -> PrecisionSpec:
     master = loop.master_dtype
     param, reduce, buffer = master, None, None
     if section(r, "mixed_precision") is not None:
@@ -261,62 +257,6 @@ def _write_mixed_precision(spec: StrategySpec, report: Report, param: DType, red
             v is not None for v in carried.values()):
         return None
     defaults = {"keep_low_precision_grads": False, "cast_forward_inputs": False, "cast_root_forward_inputs": True}
-    return {"param_dtype": torch_dtype_name(param), "reduce_dtype": torch_dtype_name(reduce),
-            "buffer_dtype": torch_dtype_name(p.buffer_dtype) if p.buffer_dtype else None,
+    return {"param_dtype": name_in_torch(param), "reduce_dtype": name_in_torch(reduce),
+            "buffer_dtype": name_in_torch(p.buffer_dtype) if p.buffer_dtype else None,
             **{k: defaults[k] if v is None else v for k, v in carried.items()}}
-
-
-def to_fsdp1_kwargs(spec: StrategySpec, *, world_size: int | None = None,
-                    module: nn.Module | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``FullyShardedDataParallel(model, **kwargs)``.
-
-    Built from ``write_fsdp1(spec)``. ``device_mesh`` is built only when a
-    process group is initialised (else omitted: FSDP1 then uses the default
-    group). ``device_id`` is the CPU when CUDA is unavailable (FSDP1 needs it
-    there), else the current CUDA device. Layer class names are resolved in
-    ``module``. CPU offload on a host without CUDA is a ``ConfigError``
-    (torch fails there). Left out: ``training_loop`` and ``state_dict_type`` (not
-    constructor arguments; use ``FSDP.set_state_dict_type``), and the carried
-    ``param_init_fn`` and ``ignored_modules``, which name Python objects.
-    """
-    import torch
-    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
-    spec = with_world_size(spec, world_size)
-    form = write_fsdp1(spec).value
-    cuda = torch.cuda.is_available()
-    strategy, wrap = form["sharding_strategy"], form["auto_wrap_policy"]
-    if strategy in HYBRID and form["device_mesh"] is None:
-        if not cuda:
-            raise ConfigError(f"{strategy} without a device_mesh shards inside each node, which on a CPU-only host "
-                              "is one rank: every rank would train alone", key="sharding.shard_group",
-                              fix="give sharding.shard_group as a number and pass world_size=")
-        if wrap is None:
-            raise ConfigError(f"FSDP1 rejects {strategy} with neither an auto_wrap_policy nor a device_mesh",
-                              key="wrapping", fix="set a wrapping policy, or a numeric shard_group and world_size=")
-    if form["cpu_offload"] and not cuda:
-        raise ConfigError("FSDP1 cannot offload on a CPU-only host (it pins host memory through an accelerator)",
-                          key="offload.parameters.device", fix="drop the offload here, or use FSDP2's CPUOffloadPolicy")
-    kwargs: dict[str, Any] = {
-        "sharding_strategy": ShardingStrategy[strategy],
-        "cpu_offload": CPUOffload(offload_params=True) if form["cpu_offload"] else None,
-        "backward_prefetch": TorchPrefetch[form["backward_prefetch"]] if form["backward_prefetch"] else None,
-        "device_id": torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
-        **{k: form[k] for k in ("forward_prefetch", "limit_all_gathers", *CARRIED_FLAGS)},
-    }
-    mp = form["mixed_precision"]
-    if mp is not None:
-        dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
-        kwargs["mixed_precision"] = MixedPrecision(**dtypes, **{k: mp[k] for k in MP_CARRIED})
-    if wrap is not None and "min_num_params" in wrap:
-        kwargs["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy,
-                                                       min_num_params=wrap["min_num_params"])
-    elif wrap is not None:
-        kwargs["auto_wrap_policy"] = functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(wrap["transformer_layer_cls"], module))
-    mesh = build_mesh(form["device_mesh"]) if form["device_mesh"] is not None else None
-    if mesh is not None:
-        kwargs["device_mesh"] = mesh
-    return kwargs

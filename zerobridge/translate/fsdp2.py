@@ -12,13 +12,14 @@
 The JSON form is ``fully_shard``'s keywords under torch's names, plus ``wrap``
 (which submodules get their own ``fully_shard`` call) and ``training_loop``
 (mappings/fsdp2.toml lists every key). ``read_fsdp2(write_fsdp2(s))`` gives
-back ``s`` for every ``s`` read from this format. ``to_fsdp2_kwargs`` builds
-the live torch objects and ``fsdp2_units`` the submodules to shard first.
+back ``s`` for every ``s`` read from this format. ``to_fsdp2_kwargs`` and
+``fsdp2_units`` in ``zerobridge.backends.fsdp_kwargs`` build the live torch
+objects and list the submodules to shard first.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zerobridge.spec import (
     BackwardPrefetch, CheckpointFormat, CommunicationSpec, DType, GradSync, OffloadDevice, OffloadSpec,
@@ -26,23 +27,20 @@ from zerobridge.spec import (
 )
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
-from zerobridge.translate.fsdp import (
-    PER_UNIT, Loop, accumulate_dtype_for, build_mesh, check_precision, layer_classes, read_keys, read_mesh,
-    read_training_loop, read_wrap, section, take, with_world_size,
+from zerobridge.translate.fsdp_common import (
+    PER_UNIT, TrainingLoopForm, accumulate_dtype_for, check_precision, read_keys, read_mesh, read_training_loop,
+    read_wrap, section, take,
 )
-from zerobridge.translate.fsdp_emit import (
+from zerobridge.translate.fsdp_write import (
     StagePlan, checkpoint_format, mesh_form, report_fixed_behaviour, resolve_precision, stage_plan, write_offload,
     write_training_loop, write_wrap,
 )
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import torch_dtype_name
+from zerobridge.translate.values import name_in_torch
 
-if TYPE_CHECKING:
-    from torch import nn
-
-__all__ = ["fsdp2_units", "read_fsdp2", "to_fsdp2_kwargs", "write_fsdp2"]
+__all__ = ["read_fsdp2", "write_fsdp2"]
 
 FMT = "fsdp2"
 NAMES_KEY = "mesh.mesh_dim_names"
@@ -121,7 +119,7 @@ def _read_sharding(r: SourceKeys) -> ShardingSpec:
                                   backward_gather_group=gather)
 
 
-def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
+def _read_precision(r: SourceKeys, loop: TrainingLoopForm) -> PrecisionSpec:
     master = loop.master_dtype
     section(r, "mp_policy")
     param = take(r, "mp_policy.param_dtype") or master
@@ -130,7 +128,7 @@ def _read_precision(r: SourceKeys, loop: Loop) -> PrecisionSpec:
                f"null: compute in the loaded dtype, {master.value} (training_loop.master_dtype)")
     reduce = take(r, "mp_policy.reduce_dtype") or param
     output = take(r, "mp_policy.output_dtype")
-    r.carry("mp_policy.output_dtype", torch_dtype_name(output) if output else None)
+    r.carry("mp_policy.output_dtype", name_in_torch(output) if output else None)
     r.carry("mp_policy.cast_forward_inputs", take(r, "mp_policy.cast_forward_inputs"), True)
     check_precision(r, "mp_policy.param_dtype", param, master, loop.loss_scaling)
     accumulate = accumulate_dtype_for(loop.batch.grad_sync, master=master, unsharded=reduce)
@@ -237,9 +235,9 @@ def _write_mp_policy(spec: StrategySpec, report: Report, param: DType, reduce: D
                    f"in reduce_dtype (the spec says {p.accumulate_dtype})", target="mp_policy")
     if p.buffer_dtype is not None and p.buffer_dtype is not master:
         report.add("precision.buffer_dtype", Status.NOT_EXPRESSIBLE, "FSDP2 has no buffer dtype: cast the buffers "
-                   f"to {torch_dtype_name(p.buffer_dtype)} before fully_shard", target="mp_policy")
+                   f"to {name_in_torch(p.buffer_dtype)} before fully_shard", target="mp_policy")
     carried = spec.passthrough.get(FMT, {})
-    return {"param_dtype": torch_dtype_name(param), "reduce_dtype": torch_dtype_name(reduce),
+    return {"param_dtype": name_in_torch(param), "reduce_dtype": name_in_torch(reduce),
             "output_dtype": carried.get("mp_policy.output_dtype"),
             "cast_forward_inputs": carried.get("mp_policy.cast_forward_inputs", True)}
 
@@ -259,70 +257,3 @@ def _report_communication(spec: StrategySpec, report: Report) -> None:
     elif c.max_inflight_gathers is not None:
         report.add("communication.max_inflight_gathers", Status.NOT_EXPRESSIBLE, "FSDP2 has no limit flag: stream "
                    "synchronisation keeps about one unit's all-gather ahead")
-
-
-def to_fsdp2_kwargs(spec: StrategySpec, *, world_size: int | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``fully_shard(module, **kwargs)``, built from ``write_fsdp2(spec)``.
-
-    ``mesh`` is built only when a process group is initialised and the form
-    names one (else omitted: a 1-D mesh over the default group). Without
-    CUDA, pinning is dropped (torch cannot pin host memory with no
-    accelerator). ``wrap`` and ``training_loop`` are not ``fully_shard``
-    arguments: use ``fsdp2_units`` for the first.
-    """
-    import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-    form = write_fsdp2(with_world_size(spec, world_size)).value
-    mp = form["mp_policy"]
-    dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")}
-    offload = form["offload_policy"]
-    kwargs: dict[str, Any] = {
-        "reshard_after_forward": form["reshard_after_forward"],
-        "mp_policy": MixedPrecisionPolicy(**dtypes, cast_forward_inputs=mp["cast_forward_inputs"]),
-        "offload_policy": OffloadPolicy() if offload is None else
-        CPUOffloadPolicy(pin_memory=offload["pin_memory"] and torch.cuda.is_available()),
-    }
-    if form["mesh"] is not None:
-        mesh = build_mesh(form["mesh"])
-        if mesh is not None:
-            kwargs["mesh"] = mesh
-    return kwargs
-
-
-def fsdp2_units(spec: StrategySpec, module: nn.Module) -> list[nn.Module]:
-    """The submodules to ``fully_shard`` before the root, innermost first (post-order).
-
-    ``TransformerWrap``: every instance of the layer classes (resolved by name
-    in ``module``). ``SizeWrap``: like FSDP1's size-based policy, a subtree
-    whose not yet claimed parameters reach ``min_params`` elements (module
-    containers excluded). Otherwise none: the root is the only unit.
-    """
-    from torch import nn
-
-    form = write_wrap(spec, Report(source="spec", target=FMT), target="wrap")
-    if form is None:
-        return []
-    units: list[nn.Module] = []
-    if "transformer_layer_cls" in form:
-        classes = tuple(layer_classes(form["transformer_layer_cls"], module))
-
-        def visit(node: nn.Module) -> None:
-            for child in node.children():
-                visit(child)
-            if node is not module and isinstance(node, classes):
-                units.append(node)
-
-        visit(module)
-        return units
-
-    def claim(node: nn.Module) -> int:
-        size = sum(claim(child) for child in node.children()) + sum(p.numel() for p in node.parameters(recurse=False))
-        container = isinstance(node, (nn.ModuleList, nn.ModuleDict))
-        if node is not module and size >= form["min_num_params"] and not container:
-            units.append(node)
-            return 0
-        return size
-
-    claim(module)
-    return units

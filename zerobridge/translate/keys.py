@@ -14,28 +14,37 @@ naming the closest valid key. Afterwards it coerces values by the row's type
 and reports keys with the row's note. How the consumers differ (how they read
 booleans, whether they ignore unknown top-level keys, how they rename keys) is
 given as constructor options; what a setting means stays in the format's
-module. ``update_spec`` applies dotted-path changes to a spec and validates it
-again; ``chain_report`` merges a delegate reader's report under the source's
-own key names; ``spec_diff`` lists the fields a written config does not
-reproduce, for the writers' reports.
+module. ``from_validation_error`` turns the first problem of a spec's pydantic
+error into a ``ConfigError`` naming the key (it knows the spec's union tags,
+which ``zerobridge.errors``, the bottom layer, must not); ``update_spec``
+applies dotted-path changes to a spec and validates it again;
+``chain_report`` merges a delegate reader's report under the source's own key
+names; ``spec_diff`` lists the fields a written config does not reproduce, for
+the writers' reports.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, closest, from_validation_error
-from zerobridge.spec import AUTO, StrategySpec, is_auto
+from zerobridge.errors import ConfigError, closest
+from zerobridge.spec import (
+    AUTO, DynamicLossScale, EveryModuleWrap, NoLossScale, RootWrap, SizeWrap, StaticLossScale, StrategySpec,
+    TransformerWrap, is_auto,
+)
 from zerobridge.translate.mapping import MappingTable, Row
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import as_bool, as_dtype, as_float, as_int
 
-__all__ = ["FALSY", "TRUTHY", "SourceKeys", "chain_report", "join_notes", "spec_diff", "update_spec"]
+__all__ = [
+    "FALSY", "TRUTHY", "SourceKeys", "chain_report", "from_validation_error", "join_notes", "spec_diff", "update_spec",
+]
 
 TRUTHY, FALSY = ("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0")
 """The spellings Accelerate's ``str_to_bool`` reads as true and as false."""
@@ -264,6 +273,32 @@ def _very_close(word: str, match: str) -> bool:
 def join_notes(*parts: str) -> str:
     """The non-empty ``parts`` as one report note."""
     return "; ".join(p for p in parts if p)
+
+
+_UNION_TAGS = frozenset(
+    [m.model_fields["kind"].default for m in (NoLossScale, StaticLossScale, DynamicLossScale)]
+    + [m.model_fields["policy"].default for m in (RootWrap, EveryModuleWrap, TransformerWrap, SizeWrap)])
+"""Tag values of the spec's discriminated unions (they appear in error locations)."""
+
+
+def from_validation_error(
+    error: ValidationError, *, source: str | Path | None = None, key_prefix: str = ""
+) -> ConfigError:
+    """The first problem of a pydantic error as a ``ConfigError``."""
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "tagged-union"))]
+    # Union branches add their type names or tag values to the location; keep
+    # real keys only.
+    loc = [part for part in loc if not part.startswith(("int", "str", "literal", "constrained"))
+           and part not in _UNION_TAGS]
+    key = ".".join(part for part in [key_prefix, *loc] if part) or None
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden" and loc:
+        message = f"unknown key {loc[-1]!r}"
+    extra = len(error.errors()) - 1
+    if extra > 0 and first["type"] != "extra_forbidden":
+        message += f" (and {extra} more problem{'s' if extra > 1 else ''})"
+    return ConfigError(message, source=source, key=key)
 
 
 def update_spec(spec: StrategySpec, changes: dict[str, Any], *, source: str = "") -> StrategySpec:

@@ -29,6 +29,8 @@ from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import DType, StrategySpec, is_auto
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import note_layout, write_compute_copy
+from zerobridge.translate.deepspeed_read import read_deepspeed
+from zerobridge.translate.fsdp1 import read_fsdp1
 from zerobridge.translate.keys import SourceKeys, spec_diff, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -82,13 +84,11 @@ def read_lightning(name: str, *, fabric: bool = False, **kwargs: Any) -> Transla
     if cls == "DDPStrategy":
         spec = _read_ddp(keys)
     elif cls == "DeepSpeedStrategy":
-        from zerobridge.translate.deepspeed import read_deepspeed
         t: Translation[StrategySpec] = read_deepspeed(
             Located(_deepspeed_json(keys, fabric_only), f"lightning:{name} (DeepSpeed JSON)"))
         report.extend(t.report)
         spec = t.value
     else:
-        from zerobridge.translate.fsdp import read_fsdp1
         t = read_fsdp1(Located(_fsdp_kwargs(keys, fabric), f"lightning:{name} (FSDP1 kwargs)"))
         report.extend(t.report)
         spec = t.value

@@ -31,6 +31,7 @@ from typing import Any
 
 from zerobridge.spec import DType, StrategySpec
 from zerobridge.translate.compilation import read_torchtitan_compile
+from zerobridge.translate.fsdp2 import read_fsdp2
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -142,7 +143,6 @@ def _note_degrees(keys: SourceKeys, degrees: dict[str, int], shard: int, group: 
 
 def _read_fsdp(keys: SourceKeys, replicate: int, group: int | None, param: DType, reduce: DType, micro: int,
                global_batch: int | None, accumulation: Any, recompute: bool, pipelined: bool) -> StrategySpec:
-    from zerobridge.translate.fsdp import read_fsdp2
     policy = keys.get(_P + "fsdp_reshard_after_forward")
     reshard = {"always": True, "never": False}.get(policy, not pipelined)
     keys.note(_P + "fsdp_reshard_after_forward",

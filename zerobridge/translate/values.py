@@ -11,7 +11,7 @@ from typing import Any
 from zerobridge.spec.base import AUTO, DType, is_auto
 from zerobridge.translate.sources import Located
 
-__all__ = ["DTYPE_NAMES", "as_bool", "as_dtype", "as_float", "as_int", "torch_dtype_name"]
+__all__ = ["DTYPE_NAMES", "as_bool", "as_dtype", "as_float", "as_int", "name_in_torch"]
 
 DTYPE_NAMES: dict[str, DType] = {
     "fp32": DType.FP32, "float32": DType.FP32, "float": DType.FP32, "torch.float32": DType.FP32,
@@ -25,7 +25,7 @@ DTYPE_NAMES: dict[str, DType] = {
 _TORCH_NAMES = {DType.FP32: "float32", DType.BF16: "bfloat16", DType.FP16: "float16"}
 
 
-def torch_dtype_name(dtype: DType) -> str:
+def name_in_torch(dtype: DType) -> str:
     """The ``torch`` attribute name of ``dtype`` (``"bfloat16"``)."""
     return _TORCH_NAMES[dtype]
 

@@ -1,7 +1,7 @@
 """Spec -> HF Accelerate config YAML, checked by reading the YAML back.
 
     >>> from zerobridge.spec import StrategySpec, ShardingSpec
-    >>> from zerobridge.translate.accelerate_emit import write_accelerate_deepspeed, write_accelerate_fsdp
+    >>> from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
     >>> spec = StrategySpec(sharding=ShardingSpec.for_stage(3))
     >>> t = write_accelerate_fsdp(spec)
     >>> t.value["distributed_type"], t.value["fsdp_config"]["fsdp_reshard_after_forward"]
@@ -20,7 +20,8 @@ from typing import Any
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, StrategySpec, is_auto
-from zerobridge.translate.accelerate import D, F, FORMAT, read_accelerate
+from zerobridge.translate.accelerate_common import D, F, FORMAT
+from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.compilation import write_dynamo
 from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.keys import join_notes, spec_diff

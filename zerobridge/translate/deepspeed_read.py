@@ -1,7 +1,7 @@
 """DeepSpeed JSON -> spec, read the way DeepSpeed reads it.
 
     >>> from zerobridge.translate.sources import Located
-    >>> from zerobridge.translate.deepspeed import read_deepspeed
+    >>> from zerobridge.translate.deepspeed_read import read_deepspeed
     >>> t = read_deepspeed(Located({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, "ds.json"))
     >>> t.value.summary()
     'stage 2, params replicated, compute bf16'
@@ -16,7 +16,7 @@ Where DeepSpeed silently ignores something (offload_param below stage 3, a
 misspelled top-level key) this reader warns or refuses instead. The keys are
 walked by ``zerobridge.translate.keys.SourceKeys`` with DeepSpeed's options
 (JSON booleans, near-miss top-level keys refused, aliases named); this module
-says what each setting means. The writer is ``zerobridge.translate.deepspeed_emit``.
+says what each setting means. The writer is ``zerobridge.translate.deepspeed_write``.
 """
 
 from __future__ import annotations

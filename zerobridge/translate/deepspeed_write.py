@@ -1,7 +1,7 @@
 """Spec -> DeepSpeed JSON, with every effective value written explicitly.
 
     >>> from zerobridge.spec import StrategySpec, ShardingSpec
-    >>> from zerobridge.translate.deepspeed_emit import write_deepspeed
+    >>> from zerobridge.translate.deepspeed_write import write_deepspeed
     >>> t = write_deepspeed(StrategySpec(sharding=ShardingSpec.for_stage(3)))
     >>> t.value["zero_optimization"]["stage"], t.value["gradient_clipping"]
     (3, 0.0)

@@ -1,7 +1,7 @@
 """HF Accelerate config YAML -> spec, read the way ``accelerate launch`` reads it.
 
     >>> from zerobridge.translate.sources import parse_yaml
-    >>> from zerobridge.translate.accelerate import read_accelerate
+    >>> from zerobridge.translate.accelerate_read import read_accelerate
     >>> text = '''
     ... distributed_type: FSDP
     ... mixed_precision: bf16
@@ -18,20 +18,24 @@ Reading turns the YAML into the FSDP1/FSDP2 keyword arguments or the DeepSpeed
 JSON that Accelerate itself would build and hands them to the FSDP and DeepSpeed
 readers; this module adds only what Accelerate decides: the launcher's defaults
 and quirks, the world size, hybrid groups, its fp32 upcast and GradScaler.
-The FSDP plugin is read in ``accelerate_fsdp``, the writers are in ``accelerate_emit``; ``SourceKeys`` (the key reader every
-translator shares) and the other shared helpers are in ``keys``.
+The FSDP plugin is read in ``accelerate_fsdp``, the writers are in
+``accelerate_write``, and what all three share (key prefixes, the launcher's
+key spelling, running a delegate reader) in ``accelerate_common``;
+``SourceKeys`` (the key reader every translator shares) is in ``keys``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import AUTO, DType, Stage, StrategySpec, is_auto
+from zerobridge.translate.accelerate_common import D, FORMAT, P, call_reader, carry_machines, launcher_prefix
+from zerobridge.translate.accelerate_fsdp import read_fsdp_plugin
 from zerobridge.translate.compilation import read_dynamo
 from zerobridge.translate.compute_copy import note_layout
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -39,7 +43,6 @@ from zerobridge.translate.sources import Located, note_lenient, parse_json, read
 
 __all__ = ["read_accelerate"]
 
-FORMAT = "accelerate"
 _MIXED = {"fp16": DType.FP16, "bf16": DType.BF16, "fp8": DType.BF16}
 _FILE_EXCLUSIVE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
                    "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path",
@@ -49,31 +52,6 @@ _SECTIONS = {"FSDP": "fsdp_config", "DEEPSPEED": "deepspeed_config"}
 GRAD_SCALER = {"kind": "dynamic", "initial_scale": 2.0**16, "growth_interval": 2000, "growth_factor": 2.0,
                "backoff_factor": 0.5, "hysteresis": 1, "consecutive_hysteresis": False, "min_scale": 0.0}
 """torch's GradScaler defaults, which Accelerate uses for fp16 outside DeepSpeed."""
-
-F = "fsdp_config."
-P = "parallelism_config.parallelism_config_"
-D = "deepspeed_config."
-
-
-_PREFIXES = {"fsdp_config": "fsdp_", "dynamo_config": "dynamo_"}
-
-
-def _launcher_prefix(prefix: str, key: str) -> str:
-    # The launcher copies fsdp_config and dynamo_config keys to --fsdp_* / --dynamo_* arguments,
-    # adding the prefix when missing.
-    head = _PREFIXES.get(prefix)
-    return key if head is None or key.startswith(head) else head + key
-
-
-def _call(located: Located, reader: Callable[[Located], Translation[StrategySpec]], data: dict[str, Any],
-          label: str, key: str) -> Translation[StrategySpec]:
-    """Run a delegate reader on built kwargs; its errors point at the YAML key they came from."""
-    try:
-        return reader(Located(data, f"{located.source} ({label})"))
-    except ConfigError as exc:
-        raise located.error(f"{exc.message} (in the {label} Accelerate builds from it)", key=key,
-                            fix=exc.fix) from None
-
 
 # ---------------------------------------------------------------------------------------------- reading
 
@@ -85,7 +63,7 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
     """
     report = Report(source=FORMAT, target="spec")
     keys = SourceKeys(located, load_table(FORMAT), report, consumer="Accelerate", bools="accelerate",
-                      normalize=_launcher_prefix)
+                      normalize=launcher_prefix)
     if not keys.given("distributed_type"):
         raise located.error("no distributed_type: Accelerate refuses a config without one",
                             fix="add distributed_type: FSDP, DEEPSPEED or MULTI_GPU")
@@ -95,8 +73,6 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
     world = keys.get("num_processes")
     world = world if isinstance(world, int) and world > 0 else None
     if kind == "FSDP":
-        from zerobridge.translate.accelerate_fsdp import read_fsdp_plugin
-
         spec = read_fsdp_plugin(keys, mixed, world)
     elif kind == "DEEPSPEED":
         spec = _read_deepspeed(keys, mixed, world, base_dir)
@@ -137,15 +113,9 @@ def _scaling(mixed: str) -> dict[str, Any]:
     return {"loss_scaling": GRAD_SCALER, "skip_nonfinite_steps": True} if mixed == "fp16" else {}
 
 
-def _carry_machines(keys: SourceKeys, why: str) -> None:
-    keys.note("num_machines", Status.NOT_ABOUT_SHARDING, why)
-    if keys.given("num_machines"):
-        keys.carried["num_machines"] = keys.values["num_machines"]
-
-
 def _read_ddp(keys: SourceKeys, kind: str, mixed: str, world: int | None) -> StrategySpec:
     compute = _MIXED.get(mixed, DType.FP32)
-    _carry_machines(keys, "DDP replicates over every process of every machine")
+    carry_machines(keys, "DDP replicates over every process of every machine")
     keys.report.add("distributed_type", Status.EQUIVALENT, f"{kind} is DDP: ZeRO stage 0, gradients all-reduced "
                     f"in fp32 under autocast{', with a GradScaler' if mixed == 'fp16' else ''}", target="sharding")
     layout = note_layout(keys.report, "autocast", key="mixed_precision") if compute is not DType.FP32 else "stored"
@@ -170,9 +140,8 @@ _DS_RENAMES = {
 
 
 def _read_deepspeed(keys: SourceKeys, mixed: str, world: int | None, base_dir: Path | None) -> StrategySpec:
-    from zerobridge.translate.deepspeed import read_deepspeed
     loc, file_key = keys.located, D + "deepspeed_config_file"
-    _carry_machines(keys, "ZeRO partitions over every process of every machine")
+    carry_machines(keys, "ZeRO partitions over every process of every machine")
     for n in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
         path = f"{P}{n}_size"
         if keys.given(path):
@@ -222,11 +191,11 @@ def _read_deepspeed(keys: SourceKeys, mixed: str, world: int | None, base_dir: P
             keys.report.add(keys.key(D + "deepspeed_moe_layer_cls_names"), Status.EXACT,
                             "unused below stage 3: ZeRO leaf modules only change stage-3 gathering")
     else:
-        spec = _inline_deepspeed(keys, mixed, moe, read_deepspeed)
+        spec = _inline_deepspeed(keys, mixed, moe)
     return update_spec(spec, {"sharding.world_size": world}, source=loc.source)
 
 
-def _inline_deepspeed(keys: SourceKeys, mixed: str, moe: list[str], reader: Any) -> StrategySpec:
+def _inline_deepspeed(keys: SourceKeys, mixed: str, moe: list[str]) -> StrategySpec:
     """The JSON Accelerate's DeepSpeedPlugin builds from the inline keys, read by the DeepSpeed reader."""
     zero: dict[str, Any] = {"stage": keys.get(D + "zero_stage")}
     for tier, short in (("offload_optimizer", "optimizer"), ("offload_param", "param")):
@@ -267,6 +236,6 @@ def _inline_deepspeed(keys: SourceKeys, mixed: str, moe: list[str], reader: Any)
     else:
         keys.note(D + "gradient_clipping", Status.IGNORED, "0 is not written to the JSON, so DeepSpeed's own default "
                   "applies (1.0 since 0.19.3); turn clipping off in a deepspeed_config_file")
-    t = _call(keys.located, reader, config, "DeepSpeed JSON", D + "zero_stage")
+    t = call_reader(keys.located, read_deepspeed, config, "DeepSpeed JSON", D + "zero_stage")
     chain_report(keys.report, t.report, _DS_RENAMES, "DeepSpeed JSON")
     return t.value

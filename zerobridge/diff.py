@@ -1,8 +1,8 @@
 """Whether two specs mean the same run, and exactly what differs.
 
-    >>> from zerobridge.loading import load
-    >>> from zerobridge.diffing import diff_specs
-    >>> result = diff_specs(load("zero2").value, load("zero3").value)
+    >>> from zerobridge.load import load_spec
+    >>> from zerobridge.diff import diff_specs
+    >>> result = diff_specs(load_spec("zero2").value, load_spec("zero3").value)
     >>> result.same_run, result.differences[0].path
     (False, 'sharding.parameters')
 """

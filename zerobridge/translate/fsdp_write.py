@@ -2,7 +2,7 @@
 
     >>> from zerobridge.spec import StrategySpec, ShardingSpec
     >>> from zerobridge.translate.report import Report
-    >>> from zerobridge.translate.fsdp_emit import stage_plan
+    >>> from zerobridge.translate.fsdp_write import stage_plan
     >>> stage_plan(StrategySpec(sharding=ShardingSpec.for_stage(1)), Report(source="spec", target="fsdp2"),
     ...            target="reshard_after_forward")
     StagePlan(sharded=True, reshard_after_forward=False, force_no_sync=True)
@@ -12,7 +12,7 @@ forms from these: the stage plan (ZeRO-1 and ZeRO-2 approximated), meshes,
 offload, precision with ``auto`` resolved (raw FSDP has no launcher to fill
 it), the ``training_loop`` section, the wrap policy, the checkpoint format,
 and a report of the DeepSpeed-only settings FSDP fixes. What the readers share
-stays in ``fsdp.py``, which still re-exports every name here.
+is in ``fsdp_common.py``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from zerobridge.spec import (
     RootWrap, SizeWrap, Stage, StaticLossScale, StrategySpec, TransformerWrap, is_auto,
 )
 from zerobridge.translate.compute_copy import write_compute_copy
-from zerobridge.translate.fsdp import DIM_NAMES, PER_UNIT, shown
+from zerobridge.translate.fsdp_common import DIM_NAMES, PER_UNIT, shown
 from zerobridge.translate.report import Report, Status
-from zerobridge.translate.values import torch_dtype_name
+from zerobridge.translate.values import name_in_torch
 
 __all__ = [
     "StagePlan", "checkpoint_format", "mesh_form", "report_fixed_behaviour", "resolve_precision", "stage_plan",
@@ -118,7 +118,7 @@ def resolve_precision(spec: StrategySpec, report: Report, *, target: str) -> tup
     for name, value in (("param_dtype", param), ("reduce_dtype", reduce)):
         if is_auto(getattr(p, name)):
             report.add(f"precision.{name}", Status.APPROXIMATED, f"\"auto\" has no launcher to fill it under raw "
-                       f"FSDP: written as {torch_dtype_name(value)}", target=target)
+                       f"FSDP: written as {name_in_torch(value)}", target=target)
     if not is_auto(p.param_dtype):
         write_compute_copy(report, p, "fsdp", target=target)
     return param, reduce, master
@@ -163,7 +163,7 @@ def write_training_loop(spec: StrategySpec, report: Report, *, param: DType, for
         out[name] = noted(f"batch.{name}", name, None, "\"auto\": written as null, left to the data loader") \
             if is_auto(value) else value
     out["activation_checkpointing"] = spec.checkpoint.activation_checkpointing
-    out["master_dtype"] = torch_dtype_name(p.master_dtype)
+    out["master_dtype"] = name_in_torch(p.master_dtype)
     out["loss_scaler"] = _write_loss_scaler(spec, report, param=param)
     out["skip_nonfinite_steps"] = p.skip_nonfinite_steps
     if out["loss_scaler"] is not None and not p.skip_nonfinite_steps:
@@ -177,7 +177,7 @@ def _write_loss_scaler(spec: StrategySpec, report: Report, *, param: DType) -> d
     if loss.kind == "none":
         return None
     if param is not DType.FP16:
-        report.add("precision.loss_scaling", Status.NOT_EXPRESSIBLE, f"compute runs in {torch_dtype_name(param)}, "
+        report.add("precision.loss_scaling", Status.NOT_EXPRESSIBLE, f"compute runs in {name_in_torch(param)}, "
                    "where loss scaling does not apply; no scaler written", target=target)
         return None
     if isinstance(loss, StaticLossScale):

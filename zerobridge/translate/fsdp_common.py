@@ -1,21 +1,23 @@
-"""PyTorch FSDP1 and FSDP2 to and from the spec: the entry point, and what the
-two translators share (reading values the way torch does, the
-``training_loop`` section, wrapping, meshes, the live-object builders). What
-only the writers share (stage plan, offload, precision, the settings FSDP
-fixes where DeepSpeed has a knob) lives in ``fsdp_emit.py``.
+"""What the FSDP1 and FSDP2 readers share: walking a JSON form through its
+table, reading values the way torch does, the ``training_loop`` section, wrap
+policies and meshes.
 
-    >>> from zerobridge.spec import StrategySpec, ShardingSpec
-    >>> from zerobridge.translate.fsdp import write_fsdp1, write_fsdp2
-    >>> zero2 = StrategySpec(sharding=ShardingSpec.for_stage(2))
-    >>> write_fsdp1(zero2).value["sharding_strategy"], write_fsdp2(zero2).value["reshard_after_forward"]
-    ('SHARD_GRAD_OP', False)
-    >>> [e.status.value for e in write_fsdp2(zero2).report if e.key == "sharding"]
-    ['approximated']
+    >>> from zerobridge.translate.fsdp_common import read_keys, read_training_loop
+    >>> from zerobridge.translate.report import Report
+    >>> from zerobridge.translate.sources import parse_json
+    >>> report = Report(source="fsdp2", target="spec")
+    >>> form = parse_json('{"training_loop": {"clip_grad_norm": 0, "gradient_accumulation_steps": 4}}', "f.json")
+    >>> loop = read_training_loop(read_keys(form, "fsdp2", report))
+    >>> loop.batch.clip_grad_norm, loop.batch.accumulation_steps
+    (None, 4)
+    >>> [e.status.value for e in report if e.key == "training_loop.clip_grad_norm"]
+    ['equivalent']
 
-``read_fsdp1``/``write_fsdp1``/``to_fsdp1_kwargs`` live in ``fsdp1.py``,
-``read_fsdp2``/``write_fsdp2``/``to_fsdp2_kwargs``/``fsdp2_units`` in
-``fsdp2.py``; both are importable from here, as are the writing helpers of
-``fsdp_emit.py``. Both JSON forms are FSDP's own
+The translators are ``fsdp1.py`` (``read_fsdp1``/``write_fsdp1``) and
+``fsdp2.py`` (``read_fsdp2``/``write_fsdp2``); what only their writers share
+(stage plan, offload, precision, the settings FSDP fixes where DeepSpeed has a
+knob) is in ``fsdp_write.py``, and the live torch objects are built in
+``zerobridge/backends/fsdp_kwargs.py``. Both JSON forms are FSDP's own
 arguments plus a reserved ``training_loop`` section: what the loop around FSDP
 must do (clipping, accumulation, loss scaling), so that no run depends on a
 silent default. A table row without ``default`` means torch's default is
@@ -28,46 +30,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from zerobridge.errors import ConfigError, from_validation_error
 from zerobridge.spec import (
     AUTO, BatchSpec, DType, DynamicLossScale, GradSync, LossScaling, NoLossScale, RootWrap, SizeWrap,
-    StrategySpec, TransformerWrap, WrapSpec, is_auto,
+    TransformerWrap, WrapSpec, is_auto,
 )
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.mapping import Row, load_table
 from zerobridge.translate.report import Report, Status
 from zerobridge.translate.sources import Located
-from zerobridge.translate.values import as_int, torch_dtype_name
-
-if TYPE_CHECKING:  # torch is imported only by the live-object builders
-    from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
-
-_PUBLIC = {"read_fsdp1": "fsdp1", "write_fsdp1": "fsdp1", "to_fsdp1_kwargs": "fsdp1", "read_fsdp2": "fsdp2",
-           "write_fsdp2": "fsdp2", "to_fsdp2_kwargs": "fsdp2", "fsdp2_units": "fsdp2"}
-_EMIT = ("StagePlan", "checkpoint_format", "mesh_form", "report_fixed_behaviour", "resolve_precision", "stage_plan",
-         "write_offload", "write_training_loop", "write_wrap")
-_LAZY = {**_PUBLIC, **dict.fromkeys(_EMIT, "fsdp_emit")}
-
-
-def __getattr__(name: str) -> Any:
-    # The translators and fsdp_emit import this module, so they are re-exported lazily.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"zerobridge.translate.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from zerobridge.translate.values import as_int, name_in_torch
 
 __all__ = [
-    *_PUBLIC, "DIM_NAMES", "PER_UNIT", "Loop", "StagePlan", "accumulate_dtype_for", "choice",
-    "mesh_form", "read_keys", "read_mesh", "read_training_loop", "read_wrap", "report_fixed_behaviour",
-    "resolve_precision", "section", "stage_plan", "take", "write_offload", "write_training_loop", "write_wrap",
-    "build_mesh", "check_precision", "checkpoint_format", "device_type", "layer_classes", "with_world_size",
+    "DIM_NAMES", "PER_UNIT", "TrainingLoopForm", "accumulate_dtype_for", "check_precision", "choice", "read_keys",
+    "read_mesh", "read_training_loop", "read_wrap", "section", "shown", "take",
 ]
 
 DIM_NAMES: dict[int, list[str]] = {1: ["dp_shard"], 2: ["dp_replicate", "dp_shard"]}
@@ -144,7 +123,7 @@ def choice(r: SourceKeys, path: str, *, aliases: Mapping[str, str] | None = None
 # ----------------------------------------------------------------- reading
 
 
-class Loop(NamedTuple):
+class TrainingLoopForm(NamedTuple):
     """The ``training_loop`` section, as spec values."""
 
     batch: BatchSpec
@@ -154,7 +133,7 @@ class Loop(NamedTuple):
     skip_nonfinite_steps: bool
 
 
-def read_training_loop(r: SourceKeys) -> Loop:
+def read_training_loop(r: SourceKeys) -> TrainingLoopForm:
     """Read ``training_loop``; every absent key takes the default stated in the table."""
     section(r, "training_loop")
     p = "training_loop."
@@ -199,18 +178,18 @@ def read_training_loop(r: SourceKeys) -> Loop:
     except ValidationError as exc:
         message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
         raise r.error(p + "global_batch_size", message) from None
-    return Loop(batch, activation_checkpointing, master, loss, skip)
+    return TrainingLoopForm(batch, activation_checkpointing, master, loss, skip)
 
 
 def check_precision(r: SourceKeys, param_key: str, param: DType, master: DType, loss: LossScaling) -> None:
     """Combinations FSDP runs but the spec cannot state."""
     if master not in (DType.FP32, param):
-        raise r.error(param_key, f"compute dtype {torch_dtype_name(param)} with a model loaded in "
-                      f"{torch_dtype_name(master)}: the spec states master weights as fp32 or the compute dtype",
+        raise r.error(param_key, f"compute dtype {name_in_torch(param)} with a model loaded in "
+                      f"{name_in_torch(master)}: the spec states master weights as fp32 or the compute dtype",
                       fix="load the model in float32, or compute in its loaded dtype")
     if loss.kind != "none" and param is not DType.FP16:
         raise r.error("training_loop.loss_scaler", f"a loss scaler only applies to float16 compute, but compute "
-                      f"runs in {torch_dtype_name(param)}", fix="set loss_scaler to null")
+                      f"runs in {name_in_torch(param)}", fix="set loss_scaler to null")
 
 
 def accumulate_dtype_for(sync: GradSync, *, master: DType, unsharded: DType) -> DType:
@@ -261,62 +240,3 @@ def read_mesh(r: SourceKeys, path: str) -> tuple[int, ...] | None:
                           fix=f"e.g. {shown(DIM_NAMES[len(dims)])}")
         r.carry(names_key, names, DIM_NAMES[len(dims)])
     return dims
-
-
-# ----------------------------------------------------------------- live objects
-
-
-def device_type() -> str:
-    """The device type meshes are built on."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def with_world_size(spec: StrategySpec, world_size: int | None) -> StrategySpec:
-    """``spec`` with the world size of ``world_size`` or of the initialised process group."""
-    import torch.distributed as dist
-
-    if world_size is None and dist.is_available() and dist.is_initialized():
-        world_size = dist.get_world_size()
-    if world_size is None or spec.sharding.world_size == world_size:
-        return spec
-    if spec.sharding.world_size is not None:
-        raise ConfigError(f"the spec is for {spec.sharding.world_size} ranks, but this run has {world_size}",
-                          key="sharding.world_size", fix=f"run on {spec.sharding.world_size} ranks, or change the spec")
-    data = spec.model_dump()
-    data["sharding"]["world_size"] = world_size
-    try:
-        return StrategySpec.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-def build_mesh(form: dict[str, Any]) -> DeviceMesh | None:
-    """The DeviceMesh of a written ``{"shape", "mesh_dim_names"}``; ``None``
-    when no process group is initialised."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return init_device_mesh(device_type(), tuple(form["shape"]), mesh_dim_names=tuple(form["mesh_dim_names"]))
-
-
-def layer_classes(names: list[str] | str, module: nn.Module | None) -> set[type[nn.Module]]:
-    """The classes named ``names`` (``"auto"``: ``module._no_split_modules``) in ``module``'s tree."""
-    key = "wrapping.layer_classes"
-    if module is None:
-        raise ConfigError("layer classes are given by name: the model is needed to find them", key=key,
-                          fix="pass module=model")
-    if is_auto(names):
-        names = list(getattr(module, "_no_split_modules", None) or ())
-        if not names:
-            raise ConfigError("\"auto\" takes a Hugging Face model's _no_split_modules, and this model has none",
-                              key=key, fix='name the layer classes, e.g. ["LlamaDecoderLayer"]')
-    found = {type(m).__name__: type(m) for m in module.modules()}
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise ConfigError(f"no module of class {', '.join(missing)} in the model", key=key,
-                          fix=f"use classes the model has: {', '.join(sorted(found))}")
-    return {found[n] for n in names}

@@ -1,0 +1,211 @@
+"""Live torch objects built from the FSDP translators' JSON forms, for users who call torch FSDP themselves.
+
+    >>> from torch import nn
+    >>> from zerobridge.spec import ShardingSpec, SizeWrap, StrategySpec
+    >>> from zerobridge.backends.fsdp_kwargs import fsdp2_units, to_fsdp2_kwargs
+    >>> kwargs = to_fsdp2_kwargs(StrategySpec(sharding=ShardingSpec.for_stage(2)))
+    >>> kwargs["reshard_after_forward"], type(kwargs["offload_policy"]).__name__
+    (False, 'OffloadPolicy')
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    >>> fsdp2_units(StrategySpec(wrapping=SizeWrap(min_params=50)), model)
+    [Linear(in_features=8, out_features=8, bias=True)]
+
+``to_fsdp1_kwargs`` gives ``FullyShardedDataParallel(model, **kwargs)`` its
+keywords from ``write_fsdp1(spec)``; ``to_fsdp2_kwargs`` gives
+``fully_shard(module, **kwargs)`` its keywords from ``write_fsdp2(spec)``, and
+``fsdp2_units`` the submodules to shard before the root. The translators in
+``zerobridge/translate/`` stay torch-free data; everything that needs torch
+(meshes, class lookup in a model, the process group's world size) is here.
+Their wrapping is the plain torch one (``isinstance`` over the named classes,
+post-order), not the native engine's ``zerobridge.engine.units``, which the
+FSDP2 backend (``backends/fsdp.py``) uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+from torch.distributed.fsdp import (
+    CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy,
+)
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+from zerobridge.errors import ConfigError
+from zerobridge.spec import StrategySpec, is_auto
+from zerobridge.translate.fsdp1 import CARRIED_FLAGS, HYBRID, MP_CARRIED, write_fsdp1
+from zerobridge.translate.fsdp2 import write_fsdp2
+from zerobridge.translate.fsdp_write import write_wrap
+from zerobridge.translate.keys import from_validation_error
+from zerobridge.translate.report import Report
+
+__all__ = ["build_mesh", "device_type", "fsdp2_units", "layer_classes", "to_fsdp1_kwargs", "to_fsdp2_kwargs",
+           "with_world_size"]
+
+
+def device_type() -> str:
+    """The device type meshes are built on."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def with_world_size(spec: StrategySpec, world_size: int | None) -> StrategySpec:
+    """``spec`` with the world size of ``world_size`` or of the initialised process group."""
+    if world_size is None and dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size()
+    if world_size is None or spec.sharding.world_size == world_size:
+        return spec
+    if spec.sharding.world_size is not None:
+        raise ConfigError(f"the spec is for {spec.sharding.world_size} ranks, but this run has {world_size}",
+                          key="sharding.world_size", fix=f"run on {spec.sharding.world_size} ranks, or change the spec")
+    data = spec.model_dump()
+    data["sharding"]["world_size"] = world_size
+    try:
+        return StrategySpec.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def build_mesh(form: dict[str, Any]) -> DeviceMesh | None:
+    """The DeviceMesh of a written ``{"shape", "mesh_dim_names"}``; ``None``
+    when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return init_device_mesh(device_type(), tuple(form["shape"]), mesh_dim_names=tuple(form["mesh_dim_names"]))
+
+
+def layer_classes(names: list[str] | str, module: nn.Module | None) -> set[type[nn.Module]]:
+    """The classes named ``names`` (``"auto"``: ``module._no_split_modules``) in ``module``'s tree."""
+    key = "wrapping.layer_classes"
+    if module is None:
+        raise ConfigError("layer classes are given by name: the model is needed to find them", key=key,
+                          fix="pass module=model")
+    if is_auto(names):
+        names = list(getattr(module, "_no_split_modules", None) or ())
+        if not names:
+            raise ConfigError("\"auto\" takes a Hugging Face model's _no_split_modules, and this model has none",
+                              key=key, fix='name the layer classes, e.g. ["LlamaDecoderLayer"]')
+    found = {type(m).__name__: type(m) for m in module.modules()}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ConfigError(f"no module of class {', '.join(missing)} in the model", key=key,
+                          fix=f"use classes the model has: {', '.join(sorted(found))}")
+    return {found[n] for n in names}
+
+
+def to_fsdp1_kwargs(spec: StrategySpec, *, world_size: int | None = None,
+                    module: nn.Module | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``FullyShardedDataParallel(model, **kwargs)``.
+
+    Built from ``write_fsdp1(spec)``. ``device_mesh`` is built only when a
+    process group is initialised (else omitted: FSDP1 then uses the default
+    group). ``device_id`` is the CPU when CUDA is unavailable (FSDP1 needs it
+    there), else the current CUDA device. Layer class names are resolved in
+    ``module``. CPU offload on a host without CUDA is a ``ConfigError``
+    (torch fails there). Left out: ``training_loop`` and ``state_dict_type`` (not
+    constructor arguments; use ``FSDP.set_state_dict_type``), and the carried
+    ``param_init_fn`` and ``ignored_modules``, which name Python objects.
+    """
+    spec = with_world_size(spec, world_size)
+    form = write_fsdp1(spec).value
+    cuda = torch.cuda.is_available()
+    strategy, wrap = form["sharding_strategy"], form["auto_wrap_policy"]
+    if strategy in HYBRID and form["device_mesh"] is None:
+        if not cuda:
+            raise ConfigError(f"{strategy} without a device_mesh shards inside each node, which on a CPU-only host "
+                              "is one rank: every rank would train alone", key="sharding.shard_group",
+                              fix="give sharding.shard_group as a number and pass world_size=")
+        if wrap is None:
+            raise ConfigError(f"FSDP1 rejects {strategy} with neither an auto_wrap_policy nor a device_mesh",
+                              key="wrapping", fix="set a wrapping policy, or a numeric shard_group and world_size=")
+    if form["cpu_offload"] and not cuda:
+        raise ConfigError("FSDP1 cannot offload on a CPU-only host (it pins host memory through an accelerator)",
+                          key="offload.parameters.device", fix="drop the offload here, or use FSDP2's CPUOffloadPolicy")
+    kwargs: dict[str, Any] = {
+        "sharding_strategy": ShardingStrategy[strategy],
+        "cpu_offload": CPUOffload(offload_params=True) if form["cpu_offload"] else None,
+        "backward_prefetch": TorchPrefetch[form["backward_prefetch"]] if form["backward_prefetch"] else None,
+        "device_id": torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        **{k: form[k] for k in ("forward_prefetch", "limit_all_gathers", *CARRIED_FLAGS)},
+    }
+    mp = form["mixed_precision"]
+    if mp is not None:
+        dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
+        kwargs["mixed_precision"] = MixedPrecision(**dtypes, **{k: mp[k] for k in MP_CARRIED})
+    if wrap is not None and "min_num_params" in wrap:
+        kwargs["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy,
+                                                       min_num_params=wrap["min_num_params"])
+    elif wrap is not None:
+        kwargs["auto_wrap_policy"] = functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(wrap["transformer_layer_cls"], module))
+    mesh = build_mesh(form["device_mesh"]) if form["device_mesh"] is not None else None
+    if mesh is not None:
+        kwargs["device_mesh"] = mesh
+    return kwargs
+
+
+def to_fsdp2_kwargs(spec: StrategySpec, *, world_size: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``fully_shard(module, **kwargs)``, built from ``write_fsdp2(spec)``.
+
+    ``mesh`` is built only when a process group is initialised and the form
+    names one (else omitted: a 1-D mesh over the default group). Without
+    CUDA, pinning is dropped (torch cannot pin host memory with no
+    accelerator). ``wrap`` and ``training_loop`` are not ``fully_shard``
+    arguments: use ``fsdp2_units`` for the first.
+    """
+    form = write_fsdp2(with_world_size(spec, world_size)).value
+    mp = form["mp_policy"]
+    dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+    offload = form["offload_policy"]
+    kwargs: dict[str, Any] = {
+        "reshard_after_forward": form["reshard_after_forward"],
+        "mp_policy": MixedPrecisionPolicy(**dtypes, cast_forward_inputs=mp["cast_forward_inputs"]),
+        "offload_policy": OffloadPolicy() if offload is None else
+        CPUOffloadPolicy(pin_memory=offload["pin_memory"] and torch.cuda.is_available()),
+    }
+    if form["mesh"] is not None:
+        mesh = build_mesh(form["mesh"])
+        if mesh is not None:
+            kwargs["mesh"] = mesh
+    return kwargs
+
+
+def fsdp2_units(spec: StrategySpec, module: nn.Module) -> list[nn.Module]:
+    """The submodules to ``fully_shard`` before the root, innermost first (post-order).
+
+    ``TransformerWrap``: every instance of the layer classes (resolved by name
+    in ``module``). ``SizeWrap``: like FSDP1's size-based policy, a subtree
+    whose not yet claimed parameters reach ``min_params`` elements (module
+    containers excluded). Otherwise none: the root is the only unit.
+    """
+    form = write_wrap(spec, Report(source="spec", target="fsdp2"), target="wrap")
+    if form is None:
+        return []
+    units: list[nn.Module] = []
+    if "transformer_layer_cls" in form:
+        classes = tuple(layer_classes(form["transformer_layer_cls"], module))
+
+        def visit(node: nn.Module) -> None:
+            for child in node.children():
+                visit(child)
+            if node is not module and isinstance(node, classes):
+                units.append(node)
+
+        visit(module)
+        return units
+
+    def claim(node: nn.Module) -> int:
+        size = sum(claim(child) for child in node.children()) + sum(p.numel() for p in node.parameters(recurse=False))
+        container = isinstance(node, (nn.ModuleList, nn.ModuleDict))
+        if node is not module and size >= form["min_num_params"] and not container:
+            units.append(node)
+            return 0
+        return size
+
+    claim(module)
+    return units
