@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 import zerobridge
 from conftest import REPO
-from zerobridge.backends import backend_of
-from zerobridge.backends.deepspeed_config import SCHEDULING
+from zerobridge.backends.base import backend_of
+from zerobridge.backends.deepspeed.config import SCHEDULING
 from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, StrategySpec
 from zerobridge.testing.cluster import Cluster
@@ -350,7 +350,7 @@ def test_native_checkpoint_continues_on_deepspeed(cluster: Cluster, tmp_path: Pa
 
 
 def test_deepspeed_checkpoint_continues_on_native_and_deepspeed(cluster: Cluster, tmp_path: Path) -> None:
-    from zerobridge.checkpoint.api import LAYOUT_KEY
+    from zerobridge.checkpoint.metadata import LAYOUT_KEY
     from zerobridge.checkpoint.portable import read_portable
     from zerobridge.checkpoint.reader import open_checkpoint
 

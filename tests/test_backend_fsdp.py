@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from zerobridge.spec.presets import spec_for_stage
-from zerobridge.backends.fsdp_apply import plan_units
-from zerobridge.backends.fsdp_plan import assess
+from zerobridge.backends.fsdp.apply import plan_units
+from zerobridge.backends.fsdp.assess import assess
 from zerobridge.spec import (
     DynamicLossScale, EveryModuleWrap, OffloadSpec, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap,
 )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zerobridge
-from zerobridge.backends import backend_of
+from zerobridge.backends.base import backend_of
 from zerobridge.env import resolve_backend
 from zerobridge.errors import ConfigError
 
@@ -35,10 +35,10 @@ def test_prepare_refuses_an_unknown_backend_before_touching_the_model() -> None:
 
 
 def test_a_model_prepared_by_any_backend_is_refused_a_second_time() -> None:
-    from zerobridge.backends import attach
-    from zerobridge.backends.native import NativeBackend
+    from zerobridge.backends.base import set_backend
+    from zerobridge.backends.native.backend import NativeBackend
 
     model = torch.nn.Linear(2, 2)
-    attach(model, NativeBackend.__new__(NativeBackend))  # as a foreign backend leaves it: no ZeroModule class
+    set_backend(model, NativeBackend.__new__(NativeBackend))  # as a foreign backend leaves it: no ZeroModule class
     with pytest.raises(ConfigError, match="already prepared"):
         zerobridge.prepare(model, stage=0)

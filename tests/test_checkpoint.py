@@ -54,7 +54,7 @@ def test_boxes_are_exactly_the_run_in_order(shape: list[int], data: st.DataObjec
 
 
 def test_metadata_must_be_json() -> None:
-    from zerobridge.checkpoint.api import metadata_json
+    from zerobridge.checkpoint.metadata import metadata_json
 
     assert json.loads(metadata_json({"step": 3, "tags": ["a"]})) == {"step": 3, "tags": ["a"]}
     for bad in ({"when": object()}, {"loss": float("nan")}):

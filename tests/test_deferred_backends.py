@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from zerobridge.backends.deepspeed_materialize import Partitioner
+from zerobridge.backends.deepspeed.materialize import Partitioner
 from zerobridge.spec import (
     OffloadSpec, PrecisionSpec, RootWrap, ShardingSpec, StrategySpec, TransformerWrap,
 )

@@ -278,7 +278,7 @@ def probe_step_memory(*, spec: StrategySpec, steps: int = 3, probe: bool = True)
         optimizer.zero_grad()
         per_step.append(optimizer.calls[before:])  # type: ignore[attr-defined]
         live.append(optimizer.live[before:])  # type: ignore[attr-defined]
-    swapper = engine.stepping.swapper
+    swapper = engine.stepper.swapper
     stepped = [[(g, i) for g, i in tile if g.refs[i].names[0] != "unused.weight" and g.refs[i].names[0] !=
                 "unused.bias"] for tile in (swapper.tiles if swapper else [])]
     at_rest = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()

@@ -221,9 +221,9 @@ def solo_group() -> Iterator[None]:
 @pytest.mark.parametrize("name", [
     "zerobridge.engine.collectives", "zerobridge.engine.layout", "zerobridge.runtime.wrap_units",
     "zerobridge.engine.plan", "zerobridge.runtime.loss_scale", "zerobridge.engine.state", "zerobridge.engine.step",
-    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.backends.base", "zerobridge.backends.native", "zerobridge.runtime.comm_stats", "zerobridge.engine.engine",
+    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.backends.base", "zerobridge.backends.native.backend", "zerobridge.runtime.comm_stats", "zerobridge.engine.engine",
     "zerobridge.engine.offload", "zerobridge.engine.swap", "zerobridge.engine.master", "zerobridge.api",
-    "zerobridge.testing.measure", "zerobridge.runtime.deferred_init", "zerobridge.engine.materialize",
+    "zerobridge.testing.measure", "zerobridge.runtime.deferred_init", "zerobridge.backends.native.materialize",
     "zerobridge.pretrained.files", "zerobridge.pretrained.load", "zerobridge.pretrained.targets",
     "zerobridge.testing.deferred", "zerobridge.testing.big_model", "zerobridge.runtime.compile",
     "zerobridge.spec.compilation", "zerobridge.engine.schedule", "zerobridge.runtime.unit_wrap",

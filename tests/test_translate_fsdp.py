@@ -19,7 +19,7 @@ from zerobridge.spec import (
     BackwardPrefetch, CheckpointFormat, DynamicLossScale, EveryModuleWrap, GradSync, OffloadDevice,
     ParamSharding, RootWrap, ShardingSpec, SizeWrap, StaticLossScale, StrategySpec, TransformerWrap,
 )
-from zerobridge.backends.fsdp_kwargs import fsdp2_units, to_fsdp1_kwargs, to_fsdp2_kwargs
+from zerobridge.backends.fsdp.kwargs import fsdp2_units, to_fsdp1_kwargs, to_fsdp2_kwargs
 from zerobridge.translate.fsdp1 import read_fsdp1, write_fsdp1
 from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
 from zerobridge.translate.report import Report, Status
@@ -695,10 +695,10 @@ def test_any_spec_writes_readably_and_flags_what_changed(spec: StrategySpec, fmt
 
 
 def test_live_builder_examples_run() -> None:
-    """The builders moved to zerobridge.backends.fsdp_kwargs; its examples must stay true."""
+    """The builders moved to zerobridge.backends.fsdp.kwargs; its examples must stay true."""
     import doctest
 
-    import zerobridge.backends.fsdp_kwargs as module
+    import zerobridge.backends.fsdp.kwargs as module
 
     result = doctest.testmod(module)
     assert result.failed == 0 and result.attempted > 0

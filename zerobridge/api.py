@@ -1,4 +1,4 @@
-"""The public API: prepare a model, clip, read full state, measure.
+"""The public API: prepare a model, clip, read full state, measure, save and load.
 
     >>> import torch, zerobridge
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -13,13 +13,16 @@
 Launch on several ranks with ``zerobridge run --nproc 4 --stage 3 train.py``
 or plain ``torchrun``. With no strategy argument, ``ZEROBRIDGE_CONFIG`` in the
 environment chooses one; with neither, stage 0 (plain data parallel).
+
+This module is a facade: ``prepare`` resolves the arguments (spec, backend,
+compile, a meta-device model) and hands the model to the chosen backend's
+``prepare`` (``backends/<name>/prepare.py``); every other call asks the
+model's backend (``backend_of``).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, overload
 
@@ -27,69 +30,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobridge.backends.base import backend_of, check_fresh
+from zerobridge.backends.deepspeed.prepare import prepare as prepare_deepspeed
+from zerobridge.backends.fsdp.prepare import prepare as prepare_fsdp
+from zerobridge.backends.native.prepare import prepare as prepare_native
+from zerobridge.checkpoint.full import write_safetensors
+from zerobridge.checkpoint.storage import CheckpointError
+from zerobridge.checkpoint.writer import agree
 from zerobridge.distributed import init_distributed
-from zerobridge.engine import Engine, plan_engine
-from zerobridge.runtime.compile import apply_compile, check_compile, is_compiled_wrapper, unwrap_compiled
-from zerobridge.engine.materialize import materialize_engine
-from zerobridge.engine.mesh import build_mesh
 from zerobridge.env import choice_from_env, resolve_allow_approximate, resolve_backend, resolve_compile
 from zerobridge.errors import ConfigError
 from zerobridge.load import load_spec
-from zerobridge.runtime.deferred_init import Replay, is_meta_model, materialize_device, replay_on_every_rank
+from zerobridge.pretrained.load import LoadReport, write_weights
+from zerobridge.runtime.compile import check_compile, is_compiled_wrapper, unwrap_compiled
+from zerobridge.runtime.deferred_init import Replay, is_meta_model, materialize_device
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 
-__all__ = ["ZeroModule", "clip_grad_norm_", "full_state_dict", "init_distributed", "prepare", "refuse_moving", "reset_stats",
-           "spec_for_stage", "stats"]
+__all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "load_checkpoint", "load_pretrained", "prepare",
+           "reset_stats", "resolve_spec", "save_checkpoint", "save_full", "spec_for_stage", "stats"]
 
 InitFn = Callable[[nn.Module], object]
+Prepared = nn.Module | tuple[nn.Module, torch.optim.Optimizer]
 
-
-class ZeroModule(nn.Module):
-    """Mixed into a prepared model's class: the model keeps its own class and names."""
-
-    _zerobridge_engine: Engine
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip gradient communication: accumulate locally until a backward outside."""
-        with self._zerobridge_engine.no_sync():
-            yield
-
-    @property
-    def zerobridge_engine(self) -> Engine:
-        """The engine that runs this model."""
-        return self._zerobridge_engine
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ZeroModule:
-        """``.to()``, ``.cuda()``, ``.half()``, ``.float()``, ...: refused when they would move or
-        cast a parameter the engine owns (it would leave the engine's flat buffers behind
-        and train stale copies); a conversion that changes none of them goes through."""
-        refuse_moving(self, self._zerobridge_engine, fn)
-        return super()._apply(fn, recurse)
-
-
-def refuse_moving(model: nn.Module, engine: Engine, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """``ConfigError`` when ``fn`` (a module conversion) would change the dtype or device of a
-    sharded parameter. Probed on an empty tensor of each kind, so nothing is copied."""
-    seen: set[tuple[torch.dtype, torch.device]] = set()
-    for group in engine.groups:
-        for param in group.params:
-            kind = (param.dtype, param.device)
-            if kind in seen:
-                continue
-            seen.add(kind)
-            moved = fn(torch.empty(0, dtype=param.dtype, device=param.device))
-            if (moved.dtype, moved.device) != kind:
-                raise ConfigError(
-                    f"{type(model).__name__} is prepared: converting its parameters from {param.dtype} on "
-                    f"{param.device} to {moved.dtype} on {moved.device} would detach them from the engine's "
-                    "flat buffers, and training would go on with stale copies", key="model",
-                    fix="move and cast the model before zerobridge.prepare (model.to(device, dtype)), or choose "
-                        "the compute dtype in the spec (precision.param_dtype)")
-
-
-_CLASSES: dict[type, type] = {}
+_BACKENDS: dict[str, Callable[..., Prepared]] = {
+    "native": prepare_native, "fsdp": prepare_fsdp, "deepspeed": prepare_deepspeed,
+}
+"""Each backend's ``prepare(model, optimizer, spec, *, allow_approximate, replay, device)``."""
 
 
 def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
@@ -114,12 +81,8 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     return load_spec(str(choice)).value
 
 
-def _check_model(model: nn.Module) -> None:
-    from zerobridge.backends import is_prepared
-
-    if isinstance(model, ZeroModule) or is_prepared(model):
-        raise ConfigError(f"{type(model).__name__} is already prepared", key="model",
-                          fix="call zerobridge.prepare once per model")
+def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    check_fresh(model, optimizer)
     params = list(model.parameters())
     if not params:
         raise ConfigError(f"{type(model).__name__} has no parameters to shard", key="model",
@@ -150,6 +113,18 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` (in place) as the strategy says; return it, or ``(model, optimizer)``.
 
+    Args:
+        model: the model to shard, built eagerly or on the meta device (or what
+            ``torch.compile`` returned).
+        optimizer: built on the original parameters, not stepped yet.
+        stage, strategy, config: the strategy, named once (a ZeRO stage, a registry
+            name, or a config file / dict / spec); none: ``$ZEROBRIDGE_CONFIG``, else stage 0.
+        backend: ``"native"``, ``"fsdp"`` or ``"deepspeed"``; ``None``: ``$ZEROBRIDGE_BACKEND``.
+        allow_approximate: run a backend's closest form of what it cannot express exactly.
+        init_fn: a meta model's initializer, called on every module.
+        device: where a meta model materializes.
+        compile: compile the units (``None``: ``$ZEROBRIDGE_COMPILE``, else the spec).
+
     ``optimizer``: one built before on the original parameters; its param
     groups and hyperparameters are kept, its parameters replaced by the
     sharded ones. It must not have stepped yet.
@@ -178,7 +153,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     compiling = resolve_compile(compile)
     wrapper, model = model, unwrap_compiled(model)
     meta = is_meta_model(model)  # first: a partly-meta model is named as such
-    _check_model(model)
+    _check_model(model, optimizer)
     replay = Replay(model, init_fn) if meta else None
     if replay is None and init_fn is not None:
         raise ConfigError("init_fn is given but the model is not on the meta device", key="init_fn",
@@ -186,42 +161,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     target = materialize_device(device) if replay is not None else None
     spec = _with_compile(resolve_spec(model, stage=stage, strategy=strategy, config=config), compiling,
                          wrapped=wrapper is not model)
-    if chosen != "native":
-        prepared = _prepare_other(chosen, model, optimizer, spec, allow_approximate=approximate, replay=replay,
-                                  device=target)
-        return _rewrap(prepared, wrapper)
-    if optimizer is not None and any(optimizer.state.values()):
-        raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
-                          fix="call zerobridge.prepare before the first optimizer.step()")
-    init_distributed(model, target)
-    if replay is not None:
-        assert target is not None
-        replay_on_every_rank(replay, target)
-    world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    plan = plan_engine(spec, model, world_size=world, local_world_size=local, device=target)
-    mesh = build_mesh(shard_size=plan.shard_size, secondary_size=plan.secondary_size)
-    engine = Engine(model, plan, mesh, target)
-    if replay is not None:
-        materialize_engine(engine, replay)
-        engine.stats.reset()
-    cls = type(model)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
-    model.__class__ = _CLASSES[cls]
-    object.__setattr__(model, "_zerobridge_engine", engine)
-    from zerobridge.backends import attach
-    from zerobridge.backends.native import NativeBackend
-
-    attach(model, NativeBackend(model, engine))
-    apply_compile([u.module for u in engine.units], spec.compile)
-    if optimizer is None:
-        return wrapper
-    replacement = {ref.source_id: new for g in engine.groups for ref, new in zip(g.refs, g.params)}
-    for group in optimizer.param_groups:
-        group["params"] = [replacement.get(id(p), p) for p in group["params"]]
-    engine.stepping.optimizers.add(optimizer)
-    return wrapper, optimizer
+    prepared = _BACKENDS[chosen](model, optimizer, spec, allow_approximate=approximate, replay=replay,
+                                 device=target)
+    return _rewrap(prepared, wrapper)
 
 
 def _with_compile(spec: StrategySpec, compiling: bool | None, *, wrapped: bool) -> StrategySpec:
@@ -239,33 +181,15 @@ def _with_compile(spec: StrategySpec, compiling: bool | None, *, wrapped: bool) 
 
 def _rewrap(prepared: nn.Module | tuple[nn.Module, torch.optim.Optimizer], wrapper: nn.Module
             ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
-    """What another backend prepared (in place), returned through the user's compiled wrapper
+    """What a backend prepared (in place), returned through the user's compiled wrapper
     if there was one."""
     if not is_compiled_wrapper(wrapper):
         return prepared
     return (wrapper, prepared[1]) if isinstance(prepared, tuple) else wrapper
 
 
-def _prepare_other(name: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: StrategySpec, *,
-                   allow_approximate: bool, replay: Replay | None, device: torch.device | None
-                   ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
-    """Run ``spec`` on torch FSDP2 or DeepSpeed (``zerobridge/backends/``)."""
-    import importlib
-
-    module = importlib.import_module(f"zerobridge.backends.{name}")
-    if replay is None:
-        prepared: nn.Module | tuple[nn.Module, torch.optim.Optimizer] = module.prepare(
-            model, optimizer, spec, allow_approximate=allow_approximate)
-    else:
-        prepared = module.prepare(model, optimizer, spec, allow_approximate=allow_approximate, replay=replay,
-                                  device=device)
-    return prepared
-
-
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm over every rank and shard; return the norm."""
-    from zerobridge.backends import backend_of
-
     return backend_of(model).clip_grad_norm(float(max_norm), float(norm_type))
 
 
@@ -276,8 +200,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, offload_to_cp
     ``rank0_only``: only rank 0 gets it (the others ``{}``); ``offload_to_cpu``:
     values in host memory. With both, the native engine gathers one group at
     a time to rank 0's host memory: no rank holds the whole model on its device."""
-    from zerobridge.backends import backend_of
-
     return backend_of(model).full_state(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
 
@@ -291,13 +213,84 @@ def stats(model: nn.Module) -> dict[str, Any]:
     ``comm_bytes`` / ``comm_calls``: per collective kind since the last
     ``reset_stats``. ``loss_scale``, ``skipped_steps``: fp16 loss scaling.
     """
-    from zerobridge.backends import backend_of
-
     return backend_of(model).stats()
 
 
 def reset_stats(model: nn.Module) -> None:
     """Start counting communication from zero."""
-    from zerobridge.backends import backend_of
-
     backend_of(model).reset_stats()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    metadata: dict[str, Any] | None = None) -> Path:
+    """Write a sharded checkpoint of a prepared ``model`` (and ``optimizer``) at ``path``. Collective.
+
+    Each rank writes its own runs (first replica only) in
+    ``torch.distributed.checkpoint`` format with FSDP2's keys; master values
+    (fp32 under mixed precision), optimizer state and param groups, the loss
+    scaler, skipped steps and every rank's RNG states. ``metadata``
+    (JSON-able, e.g. ``{"step": 100}``) comes back from ``load_checkpoint``.
+    Call it after ``optimizer.step()``: gradients are not saved. The previous
+    checkpoint at ``path`` stays until the new one is complete.
+    """
+    return backend_of(model).save_checkpoint(Path(path), optimizer, metadata)
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    strict: bool = True, rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint into a prepared ``model`` (and ``optimizer``), resharding
+    to this run's stage, world size and layout. Collective. Returns the
+    ``metadata`` passed to ``save_checkpoint`` (``{}`` if none).
+
+    Files are checked against the manifest first (each rank a share);
+    ``strict``: every parameter and buffer must be in the checkpoint and it
+    may hold no others, and with an ``optimizer`` the checkpoint must hold
+    optimizer state. Param groups are matched by position (same parameter
+    names in each), state by parameter name. ``rng``: restore RNG states,
+    rank ``r`` taking saved rank ``r mod saved world size``. Checkpoints
+    written by ``torch.distributed.checkpoint`` (FSDP2) load too, unverified
+    (they have no manifest).
+    """
+    return backend_of(model).load_checkpoint(Path(path), optimizer, strict=strict, rng=rng)
+
+
+def save_full(path: str | Path, model: nn.Module, *, dtype: torch.dtype | None = None) -> Path:
+    """Write the whole model's weights (``zerobridge.full_state_dict``) as one
+    safetensors file, floating tensors cast to ``dtype`` if given. Collective:
+    the values are gathered group by group into rank 0's host memory, and rank
+    0 writes (atomically)."""
+    whole = full_state_dict(model, rank0_only=True, offload_to_cpu=True)  # one group at a time, to rank 0's host
+    state = {k: v for k, v in whole.items() if isinstance(v, torch.Tensor)}
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    error: BaseException | None = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            write_safetensors(path, state, dtype=dtype)
+        except (OSError, CheckpointError) as exc:
+            error = exc
+    agree(distributed, error)
+    return Path(path)
+
+
+def load_pretrained(model: nn.Module, source: str | Path, *, strict: bool = True) -> LoadReport:
+    """Write the weights in ``source`` into a prepared ``model``; each rank reads only the runs it
+    holds, cast to the master dtype. Collective. Returns the report.
+
+    Args:
+        model: a prepared model (native engine or FSDP2 backend).
+        source: a safetensors file, a Hugging Face model directory (one file or shards with an
+            index), a ``.bin`` / ``.pt`` state dict, or a checkpoint directory (resharded by
+            ``load_checkpoint``).
+        strict: every parameter must be found and nothing left over; ``False`` reports instead.
+    """
+    backend = backend_of(model)
+    path = Path(source)
+    if path.is_dir() and (path / ".metadata").is_file():
+        load_checkpoint(path, model, strict=strict, rng=False)
+        return LoadReport(source=str(path), loaded=len(model.state_dict()))
+    report = write_weights(model, path, backend.pretrained_targets(), strict=strict)
+    backend.after_pretrained()
+    return report

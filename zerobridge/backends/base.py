@@ -16,17 +16,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
 
 from zerobridge.errors import ConfigError
+from zerobridge.pretrained.targets import Target
 
-if TYPE_CHECKING:  # importing this module stays torch-free (the launcher reads BACKENDS)
-    import torch
-    from torch import nn
-
-    from zerobridge.pretrained.targets import Target
-
-__all__ = ["Backend", "attach", "backend_of", "is_prepared"]
+__all__ = ["Backend", "adopt_class", "backend_of", "check_fresh", "is_prepared", "keep_where_asked", "set_backend"]
 
 _ATTRIBUTE = "_zerobridge_backend"
 
@@ -41,19 +40,9 @@ class Backend(ABC):
         """Clip every gradient by the global norm over all ranks; return that norm."""
 
     @abstractmethod
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded values under every original name (tied ones under each), with buffers, on every rank."""
-
     def full_state(self, *, rank0_only: bool, offload_to_cpu: bool) -> dict[str, torch.Tensor]:
-        """``full_state_dict`` with only rank 0 keeping it (others get ``{}``) and/or the values
-        on the host. Here by gathering everything first; the native engine streams."""
-        import torch
-        import torch.distributed as dist
-
-        state = self.full_state_dict()
-        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
-            return {}
-        return {k: v.cpu() if offload_to_cpu and isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        """Unsharded values under every original name (tied ones under each), with buffers. Collective.
+        ``rank0_only``: only rank 0 keeps them (the others get ``{}``); ``offload_to_cpu``: in host memory."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:
@@ -84,7 +73,16 @@ class Backend(ABC):
         """After ``load_pretrained`` wrote the targets: make every copy follow. Collective."""
 
 
-def attach(model: nn.Module, backend: Backend) -> None:
+def keep_where_asked(state: dict[str, torch.Tensor], *, rank0_only: bool, offload_to_cpu: bool
+                     ) -> dict[str, torch.Tensor]:
+    """A full state gathered on every rank, kept as ``Backend.full_state`` was asked: only on rank 0,
+    and/or moved to host memory."""
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return {k: v.cpu() if offload_to_cpu and isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def set_backend(model: nn.Module, backend: Backend) -> None:
     """Remember which backend runs ``model``."""
     object.__setattr__(model, _ATTRIBUTE, backend)
 
@@ -97,7 +95,30 @@ def is_prepared(model: nn.Module) -> bool:
 def backend_of(model: nn.Module) -> Backend:
     """The backend of a prepared model; a clear error otherwise."""
     backend = getattr(model, _ATTRIBUTE, None)
-    if backend is None:
+    if not isinstance(backend, Backend):
         raise ConfigError(f"{type(model).__name__} was not prepared", key="model",
                           fix="call model = zerobridge.prepare(model, ...) first")
-    return backend  # type: ignore[no-any-return]
+    return backend
+
+
+def check_fresh(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """``ConfigError`` unless ``model`` is prepared for the first time and ``optimizer`` has not stepped."""
+    if is_prepared(model):
+        raise ConfigError(f"{type(model).__name__} is already prepared", key="model",
+                          fix="call zerobridge.prepare once per model")
+    if optimizer is not None and any(optimizer.state.values()):
+        raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
+                          fix="call zerobridge.prepare before the first optimizer.step()")
+
+
+_CLASSES: dict[tuple[type, type, str], type] = {}
+
+
+def adopt_class(model: nn.Module, mixin: type, prefix: str) -> None:
+    """Give ``model`` the class ``<prefix><Class>(mixin, Class)``, made once per class: the model keeps its
+    own class, methods and names, and gains the backend's (``no_sync``, the calls routed to an engine)."""
+    cls = type(model)
+    key = (cls, mixin, prefix)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    model.__class__ = _CLASSES[key]

@@ -54,7 +54,7 @@ def formula_stage(backend: str, spec: StrategySpec, approximations: list[Entry])
     ``backend`` runs for ``spec`` with ``approximations`` (``preflight``'s answer), when
     that is FSDP2's form of ZeRO-1 or ZeRO-2 sharding; None otherwise (the spec's own)."""
     if backend == "fsdp" and any(e.key == "sharding" for e in approximations):
-        from zerobridge.backends.fsdp_plan import CLOSEST_STAGE
+        from zerobridge.backends.fsdp.assess import CLOSEST_STAGE
 
         return CLOSEST_STAGE.get(spec.sharding.stage.value)
     return None
@@ -70,7 +70,7 @@ def _fsdp(spec: StrategySpec, world_size: int | None, local_world_size: int | No
           allow_approximate: bool) -> list[Entry]:
     if world_size is None:
         return []
-    from zerobridge.backends.fsdp_plan import assess, refuse
+    from zerobridge.backends.fsdp.assess import assess, refuse
 
     found = assess(spec, world_size=world_size, local_world_size=local_world_size or world_size).approximations
     if not allow_approximate:
@@ -79,7 +79,7 @@ def _fsdp(spec: StrategySpec, world_size: int | None, local_world_size: int | No
 
 
 def _deepspeed(spec: StrategySpec, world_size: int | None, allow_approximate: bool) -> list[Entry]:
-    from zerobridge.backends.deepspeed_config import launch_problems, refusal
+    from zerobridge.backends.deepspeed.config import launch_problems, refusal
 
     error, found = launch_problems(spec, world_size=world_size)
     if error is not None:

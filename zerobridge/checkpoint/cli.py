@@ -47,9 +47,9 @@ def _human(n: int) -> str:
 
 def describe(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds, read from its metadata and small items only."""
-    from zerobridge.checkpoint.api import LAYOUT_KEY, user_metadata
+    from zerobridge.checkpoint.metadata import LAYOUT_KEY, user_metadata
     from zerobridge.checkpoint.reader import open_checkpoint
-    from zerobridge.checkpoint.sharded import group_keys, state_keys
+    from zerobridge.checkpoint.matching import group_keys, state_keys
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unverified case is reported below instead

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from zerobridge.checkpoint.matching import group_keys, state_keys
+from zerobridge.checkpoint.metadata import LAYOUT_KEY, METADATA_KEY, metadata_json, user_metadata
 from zerobridge.checkpoint.layout import model_key, optim_state_key, param_group_key, whole
 from zerobridge.checkpoint.reader import Checkpoint, open_checkpoint
 from zerobridge.checkpoint.storage import CheckpointError
@@ -57,8 +59,6 @@ def write_portable(path: str | Path, state: PortableState, *, extras: dict[str, 
     own, e.g. ``zerobridge.rng.<rank>.torch``, ``zerobridge.skipped_steps``);
     ``layout``: what ``checkpoint info`` reports as the saving layout. Written
     to a temporary sibling and swapped into place."""
-    from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json
-
     pieces = [_piece(model_key(name), value) for name, value in state.model.items()]
     pieces += [_piece(key, value) for key, value in (extras or {}).items()]
     for fqn, entries in state.optimizer.items():
@@ -91,9 +91,6 @@ def read_portable(path: str | Path, *, optimizer: bool = True) -> PortableState:
 
 def portable_from(ckpt: Checkpoint, *, optimizer: bool = True) -> PortableState:
     """``read_portable`` on a checkpoint already opened (and verified)."""
-    from zerobridge.checkpoint.api import user_metadata
-    from zerobridge.checkpoint.sharded import group_keys, state_keys
-
     state = PortableState(metadata=user_metadata(ckpt))
     state.model = {key[len("model."):]: ckpt.full(key) for key in ckpt.keys()
                    if key.startswith("model.") and ckpt.tensor(key) is not None}

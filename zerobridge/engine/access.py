@@ -91,7 +91,7 @@ def write_master(engine: Engine, run: LocalRun, values: torch.Tensor) -> None:
 def read_optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, run: LocalRun) -> dict[str, Any]:
     """The optimizer's state for the run's sharded parameter (empty before the first
     step); read from the swap file when the optimizer tier is nvme."""
-    swapper = engine.stepping.swapper
+    swapper = engine.stepper.swapper
     if swapper is not None and run.trainable:
         return swapper.read_state(optimizer, run.param)
     return dict(optimizer.state.get(run.param, {}))
@@ -101,8 +101,8 @@ def write_optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, run:
                           state: dict[str, Any]) -> None:
     """Replace the optimizer's state for the run's sharded parameter (into the swap
     file when the optimizer tier is nvme); the next step continues from it."""
-    engine.stepping.optimizers.add(optimizer)
-    swapper = engine.stepping.swapper
+    engine.stepper.optimizers.add(optimizer)
+    swapper = engine.stepper.swapper
     if swapper is not None and run.trainable:
         swapper.write_state(optimizer, run.param, state)
     else:

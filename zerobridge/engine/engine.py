@@ -52,7 +52,7 @@ from zerobridge.engine.offload import open_spaces
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.reducing import ReductionQueue
 from zerobridge.engine.schedule import Order, Residency, Unit
-from zerobridge.engine.state import full_state_dict, memory
+from zerobridge.engine.state import memory
 from zerobridge.engine.step import NativeStepper
 from zerobridge.runtime.step_rules import install_optimizer_hooks, nonfinite_flag
 from zerobridge.engine.streams import Streams
@@ -97,7 +97,7 @@ class Engine:
         swapper = None
         if self.spaces.optimizer is not None:
             swapper = StateSwapper(self.trainable, self.spaces.optimizer, plan.offload)
-        self.stepping = NativeStepper(plan, mesh, self.stats, self.trainable, swapper)
+        self.stepper = NativeStepper(plan, mesh, self.stats, self.trainable, swapper)
         # The reduction order every rank follows: buckets whose earliest-registered
         # parameter comes last are expected to finish first in backward.
         order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
@@ -120,7 +120,7 @@ class Engine:
         self.previous: Order[Unit] = Order([])
         self.backward_order: Order[Unit] = Order([])
         self.stats.reset()
-        install_optimizer_hooks(self.stepping)
+        install_optimizer_hooks(self.stepper)
 
     def _install_hooks(self) -> None:
         for unit in self.units:
@@ -181,8 +181,8 @@ class Engine:
         if unit.index == 0:
             for group in self.replicated:
                 group.restore()
-            if grad and self.stepping.scaler.enabled:
-                output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.stepping.scaler.scale)
+            if grad and self.stepper.scaler.enabled:
+                output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.stepper.scaler.scale)
                                          if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
         if grad:
             hook = self._pre_backward_hook(unit)
@@ -336,7 +336,7 @@ class Engine:
         one all-reduce, one host read."""
         device = self.groups[0].full.device
         parts = [g.used.to(device) for g in self.trainable]
-        if self.stepping.checks_nonfinite:
+        if self.stepper.checks_nonfinite:
             parts.append(nonfinite_flag([g.grad_store for g in self.trainable if g.grad_store is not None], device))
         flags = torch.cat(parts) if parts else torch.zeros(0, device=device)
         collectives.all_reduce(flags, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
@@ -347,7 +347,7 @@ class Engine:
             attach_grads(group, host[start:start + count])
             group.end_window()
             start += count
-        self.stepping.gradients_ready(found_nonfinite=self.stepping.checks_nonfinite and host[-1] > 0)
+        self.stepper.gradients_ready(found_nonfinite=self.stepper.checks_nonfinite and host[-1] > 0)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate gradients locally; the next backward outside reduces them all."""
@@ -357,12 +357,8 @@ class Engine:
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient by the global norm over all ranks; return that norm."""
-        return self.stepping.clip_grad_norm(max_norm, norm_type)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded master values under every original name, with buffers, on every rank."""
-        return full_state_dict(self.model, self.groups, self.mesh, self.stats)
+        return self.stepper.clip_grad_norm(max_norm, norm_type)
 
     def memory(self) -> dict[str, Any]:
         """Model-state bytes on this rank: resident by role, and all of it by tier."""
-        return memory(self.groups, self.stepping.optimizers, self.stepping.swapper, self.plan.offload.optimizer)
+        return memory(self.groups, self.stepper.optimizers, self.stepper.swapper, self.plan.offload.optimizer)

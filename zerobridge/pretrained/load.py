@@ -1,4 +1,4 @@
-"""Load pretrained weights into a prepared model, each rank reading only what it holds.
+"""Pretrained weights into the runs a rank holds, each rank reading only its own bytes.
 
     >>> import tempfile, torch, zerobridge
     >>> from pathlib import Path
@@ -12,10 +12,12 @@
     >>> zerobridge.full_state_dict(model)["weight"].sum().item(), report.loaded
     (6.0, 2)
 
-``source``: a safetensors file, a Hugging Face model directory (one file or
-shards with an index), a ``.bin`` / ``.pt`` state dict (``weights_only``), or
-a checkpoint directory (``zerobridge.save_checkpoint`` or
-``torch.distributed.checkpoint``, resharded by ``load_checkpoint``).
+``zerobridge.load_pretrained`` (``api.py``) asks the model's backend for
+its targets and calls ``write_weights``. ``source``: a safetensors file, a
+Hugging Face model directory (one file or shards with an index), a ``.bin``
+/ ``.pt`` state dict (``weights_only``); a checkpoint directory
+(``zerobridge.save_checkpoint`` or ``torch.distributed.checkpoint``) is
+resharded by ``load_checkpoint`` instead.
 
 Names: a parameter is found under any of its names (tied ones have several),
 as is, with ``model.`` (or the model's ``base_model_prefix``) added, or with
@@ -38,7 +40,7 @@ from zerobridge.errors import ConfigError
 from zerobridge.pretrained.files import Weights, open_weights
 from zerobridge.pretrained.targets import Target
 
-__all__ = ["LoadReport", "load_pretrained", "match_names"]
+__all__ = ["LoadReport", "match_names", "write_weights"]
 
 
 @dataclass
@@ -81,20 +83,12 @@ def _prefixes(model: nn.Module) -> list[str]:
     return ["model.", f"{base}." if base else ""]
 
 
-def load_pretrained(model: nn.Module, source: str | Path, *, strict: bool = True) -> LoadReport:
-    """Write the weights in ``source`` into a prepared ``model``; each rank reads only
-    the runs it holds, cast to the master dtype. Collective. Returns the report."""
-    from zerobridge.backends import backend_of
-
-    backend = backend_of(model)
-    path = Path(source)
-    if path.is_dir() and (path / ".metadata").is_file():
-        from zerobridge.checkpoint.api import load_checkpoint
-
-        load_checkpoint(path, model, strict=strict, rng=False)
-        return LoadReport(source=str(path), loaded=len(model.state_dict()))
-    weights = open_weights(path)
-    targets = backend.pretrained_targets()
+def write_weights(model: nn.Module, source: str | Path, targets: list[Target], *, strict: bool = True) -> LoadReport:
+    """Write the weights in the file or Hugging Face directory ``source`` into ``targets`` (the runs this
+    rank holds, as its backend lists them), matching names against ``model``'s; each run reads only
+    its own bytes, cast to the target's dtype. Returns the report; ``ConfigError`` (on every rank
+    alike, before anything is written) when the names or shapes do not fit."""
+    weights = open_weights(Path(source))
     chosen, unexpected = match_names([t.names for t in targets], weights.entries, _prefixes(model))
     report = _check(model, weights, targets, chosen, unexpected, strict=strict)
     with torch.no_grad():
@@ -104,7 +98,6 @@ def load_pretrained(model: nn.Module, source: str | Path, *, strict: bool = True
             values = weights.read(name, target.start, target.start + target.numel)
             report.bytes_read += values.numel() * values.element_size()
             target.write(values)
-    backend.after_pretrained()
     return report
 
 

@@ -113,7 +113,7 @@ def raw_step(optimizer: torch.optim.Optimizer) -> None:
 
 class StepHooks(Protocol):
     """What the process-wide step hooks call: the native ``NativeStepper`` and other
-    backends' stepping objects (``zerobridge/backends/fsdp_step.py``)."""
+    backends' stepping objects (``zerobridge/backends/fsdp/step.py``)."""
 
     param_ids: set[int]
 

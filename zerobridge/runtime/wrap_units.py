@@ -26,7 +26,7 @@ from torch import nn
 from zerobridge.errors import ConfigError
 from zerobridge.spec.wrapping import EveryModuleWrap, RootWrap, SizeWrap, TransformerWrap, WrapSpec
 
-__all__ = ["ParamRef", "collect_params", "owners", "unit_modules"]
+__all__ = ["ParamRef", "collect_params", "layer_class_names", "owners", "unit_modules"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,9 @@ def collect_params(model: nn.Module) -> list[ParamRef]:
             for p, names, slots, order in found.values()]
 
 
-def _layer_classes(model: nn.Module, wrap: TransformerWrap) -> tuple[str, ...]:
+def layer_class_names(model: nn.Module, wrap: TransformerWrap) -> tuple[str, ...]:
+    """The layer class names a transformer wrap cuts at: its own, or (``"auto"``) the model's
+    ``_no_split_modules`` as Hugging Face declares them."""
     if wrap.layer_classes != "auto":
         return tuple(wrap.layer_classes)
     names = getattr(model, "_no_split_modules", None)
@@ -89,7 +91,7 @@ def unit_modules(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
     if isinstance(wrap, RootWrap):
         return [model]
     if isinstance(wrap, TransformerWrap):
-        classes = _layer_classes(model, wrap)
+        classes = layer_class_names(model, wrap)
         chosen = [m for m in modules[1:] if type(m).__name__ in classes]
         if not chosen:
             present = sorted({type(m).__name__ for m in modules})
@@ -116,7 +118,10 @@ def unit_modules(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
     def unwrapped(module: nn.Module) -> int:
         total = sum(p.numel() for p in module._parameters.values() if p is not None)
         total += sum(unwrapped(child) for child in module.children())
-        if module is not model and total >= wrap.min_params:
+        # A container is never called, so its hooks would never gather it: its children decide (as torch's
+        # size-based wrap policy excludes ModuleList and ModuleDict).
+        container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        if module is not model and total >= wrap.min_params and not container:
             chosen_ids.add(id(module))
             return 0
         return total

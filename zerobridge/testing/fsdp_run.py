@@ -59,7 +59,7 @@ def train(*, backend: str, stage: int | None = None, spec: Any = None, steps: in
     """On every rank: ParityNet trained ``steps`` steps on ``backend`` under ``stage`` or ``spec``.
     ``meta``: built on the meta device from seed 0, for ``prepare`` to materialize."""
     import zerobridge
-    from zerobridge.backends import backend_of
+    from zerobridge.backends.base import backend_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if meta:

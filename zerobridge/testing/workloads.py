@@ -36,7 +36,7 @@ def parity_workload(seed: int) -> Workload:
 
 
 def _faulty_loss(model: nn.Module, rows: tuple[Tensor, ...]) -> Tensor:
-    from zerobridge.backends import backend_of
+    from zerobridge.backends.base import backend_of
 
     if backend_of(model).name == "fsdp" and dist.get_rank() == 1:
         raise RuntimeError("faulty_workload: rank 1 fails under fsdp")

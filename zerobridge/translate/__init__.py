@@ -18,6 +18,6 @@ positions) and ``values`` (coercion). ``formats`` routes by format name.
 The package is data in, data out: it never imports torch, and it imports only
 ``zerobridge.errors``, ``zerobridge.resources``, ``zerobridge.spec`` and its
 own modules, each at module top. Live torch objects built from the FSDP forms
-are in ``zerobridge.backends.fsdp_kwargs``; ``zerobridge.load.load_spec`` (a
+are in ``zerobridge.backends.fsdp.kwargs``; ``zerobridge.load.load_spec`` (a
 strategy however it is named) sits above, beside ``zerobridge.registry``.
 """

@@ -12,7 +12,7 @@ The JSON form is FSDP1's constructor keywords under torch's names plus
 ``training_loop`` (mappings/fsdp1.toml lists every key). Reading states every
 spec field from FSDP1's effective behaviour; writing reports each spec setting
 FSDP1 cannot state. ``read_fsdp1(write_fsdp1(s))`` gives back ``s`` for every
-``s`` read from this format. ``zerobridge.backends.fsdp_kwargs.to_fsdp1_kwargs``
+``s`` read from this format. ``zerobridge.backends.fsdp.kwargs.to_fsdp1_kwargs``
 builds the live torch objects.
 """
 

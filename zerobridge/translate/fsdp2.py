@@ -13,7 +13,7 @@ The JSON form is ``fully_shard``'s keywords under torch's names, plus ``wrap``
 (which submodules get their own ``fully_shard`` call) and ``training_loop``
 (mappings/fsdp2.toml lists every key). ``read_fsdp2(write_fsdp2(s))`` gives
 back ``s`` for every ``s`` read from this format. ``to_fsdp2_kwargs`` and
-``fsdp2_units`` in ``zerobridge.backends.fsdp_kwargs`` build the live torch
+``fsdp2_units`` in ``zerobridge.backends.fsdp.kwargs`` build the live torch
 objects and list the submodules to shard first.
 """
 

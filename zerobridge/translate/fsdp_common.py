@@ -17,7 +17,7 @@ The translators are ``fsdp1.py`` (``read_fsdp1``/``write_fsdp1``) and
 ``fsdp2.py`` (``read_fsdp2``/``write_fsdp2``); what only their writers share
 (stage plan, offload, precision, the settings FSDP fixes where DeepSpeed has a
 knob) is in ``fsdp_write.py``, and the live torch objects are built in
-``zerobridge/backends/fsdp_kwargs.py``. Both JSON forms are FSDP's own
+``zerobridge/backends/fsdp/kwargs.py``. Both JSON forms are FSDP's own
 arguments plus a reserved ``training_loop`` section: what the loop around FSDP
 must do (clipping, accumulation, loss scaling), so that no run depends on a
 silent default. A table row without ``default`` means torch's default is

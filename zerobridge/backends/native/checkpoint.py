@@ -1,15 +1,26 @@
-"""An engine rank's part of a checkpoint: its runs as boxes to write, and what it reads back.
+"""Checkpoints of the native engine: every rank writes its own runs, and reads back whatever its runs overlap.
+
+    >>> import tempfile, torch, zerobridge
+    >>> model = zerobridge.prepare(torch.nn.Linear(4, 2), stage=3)
+    >>> optimizer = torch.optim.AdamW(model.parameters())
+    >>> path = zerobridge.save_checkpoint(tempfile.mkdtemp() + "/ckpt", model, optimizer, metadata={"step": 1})
+    >>> zerobridge.load_checkpoint(path, model, optimizer)
+    {'step': 1}
 
 Writing, per parameter: each writer run (first replica) becomes boxes of
 ``model.<name>`` under every name of the parameter, and of each optimizer
 state tensor shaped like the parameter (``optim.state.<first name>.<key>``);
 0-d state (``step``) is a whole tensor that DCP writes once. Everything is
-read through ``zerobridge.engine.access`` when DCP asks for it.
+read through ``zerobridge.engine.access`` when DCP asks for it. Rank 0 adds
+buffers, param groups, the loss scaler, skipped steps, the layout and the
+metadata; every rank its RNG states.
 
 Reading, on every rank (replicas too): each run's boxes are intersected
 with whatever chunks were saved, staged in the saved dtype, and handed to
 ``write_master`` / ``write_optimizer_state`` a batch of runs at a time;
-``refresh_compute`` then rebuilds the compute copies.
+``refresh_compute`` then rebuilds the compute copies. The format itself is
+``zerobridge/checkpoint/``'s; this module only knows where the engine keeps
+each run.
 """
 
 from __future__ import annotations
@@ -18,24 +29,26 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from zerobridge.checkpoint.layout import Box, box_start, model_key, optim_state_key, param_group_key, run_boxes, whole
-from zerobridge.checkpoint.reader import Checkpoint, Target
+from zerobridge._version import __version__
+from zerobridge.checkpoint.layout import ZB, Box, box_start, model_key, optim_state_key, param_group_key, rank_key, run_boxes, whole
+from zerobridge.checkpoint.matching import check_model, group_keys, optimizer_params, restore_groups, state_keys, state_to_param
+from zerobridge.checkpoint.metadata import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
+from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
+from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.storage import CheckpointError
-from zerobridge.checkpoint.writer import Blob, Piece, RunCache
+from zerobridge.checkpoint.writer import Blob, Piece, RunCache, write_checkpoint
 from zerobridge.engine.access import (
     LocalRun, local_runs, read_master, read_optimizer_state, refresh_compute, write_master, write_optimizer_state,
 )
+from zerobridge.engine.engine import Engine
 
-if TYPE_CHECKING:
-    from zerobridge.engine.engine import Engine
-
-__all__ = ["check_model", "engine_pieces", "load_engine", "optimizer_params", "replicated_pieces", "restore_groups",
-           "state_to_param"]
+__all__ = ["load_native", "save_native"]
 
 STAGING_BYTES = 256 << 20
 """Staged values read before they are handed to the engine (one run at least)."""
@@ -55,16 +68,6 @@ def _cut(load: Callable[[], torch.Tensor], run: LocalRun, box: Box) -> torch.Ten
 
 def _names(runs: list[LocalRun]) -> dict[int, str]:
     return {id(run.param): run.names[0] for run in runs}
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> set[int]:
-    """``id()`` of every parameter ``optimizer`` holds; an error if one is not in ``names`` (the model's)."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if held - set(names):
-        raise CheckpointError(f"the optimizer holds {len(held - set(names))} parameter(s) the prepared model does "
-                              "not own", key="optimizer",
-                              fix="build the optimizer from model.parameters() after zerobridge.prepare")
-    return held
 
 
 def engine_pieces(engine: Engine, optimizer: torch.optim.Optimizer | None) -> tuple[list[Piece], list[Blob]]:
@@ -149,102 +152,6 @@ def _stage(ckpt: Checkpoint, key: str, run: LocalRun, job: _Job) -> torch.Tensor
     return buffer
 
 
-def state_keys(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
-    """``{fqn: {state key: checkpoint key}}`` from the recorded paths (or the keys' last dot)."""
-    found: dict[str, dict[str, str]] = {}
-    for key in ckpt.keys():
-        path = ckpt.paths.get(key)
-        if path is not None and len(path) == 4 and path[:2] == ("optim", "state"):
-            found.setdefault(str(path[2]), {})[str(path[3])] = key
-        elif path is None and key.startswith("optim.state."):
-            fqn, _, state_key = key[len("optim.state."):].rpartition(".")
-            found.setdefault(fqn, {})[state_key] = key
-    return found
-
-
-def group_keys(ckpt: Checkpoint) -> dict[int, dict[str, str]]:
-    """``{group index: {hyperparameter: checkpoint key}}``."""
-    found: dict[int, dict[str, str]] = {}
-    for key in ckpt.keys():
-        path = ckpt.paths.get(key)
-        parts = key.split(".", 3)
-        if path is None and key.startswith("optim.param_groups.") and len(parts) == 4 and parts[2].isdigit():
-            path = ("optim", "param_groups", int(parts[2]), parts[3])
-        if path is not None and len(path) == 4 and path[:2] == ("optim", "param_groups") and isinstance(path[2], int):
-            found.setdefault(path[2], {})[str(path[3])] = key
-    return found
-
-
-def restore_groups(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, names: dict[int, str],
-                    frozen: set[str]) -> None:
-    """Hyperparameters back into the optimizer's groups, matched by position; each group
-    must hold the same trainable parameters (frozen ones never step, and some writers,
-    DeepSpeed among them, leave them out of the groups)."""
-    saved = group_keys(ckpt)
-    if sorted(saved) != list(range(len(optimizer.param_groups))):
-        raise CheckpointError(f"holds {len(saved)} optimizer param group(s); this optimizer has "
-                              f"{len(optimizer.param_groups)}", source=ckpt.source, key="optim.param_groups",
-                              fix="build the optimizer's param groups as the saving run did (or pass optimizer=None)")
-    values = ckpt.read_bytes([key for group in saved.values() for key in group.values()])
-    for i, group in enumerate(optimizer.param_groups):
-        current = {names[id(p)] for p in group["params"]} - frozen
-        if "params" in saved[i] and set(values[saved[i]["params"]]) - frozen != current:
-            theirs = set(values[saved[i]["params"]]) - frozen
-            raise CheckpointError(f"group {i} holds {sorted(theirs - current)[:3]} that this optimizer's group {i} "
-                                  f"lacks, and lacks {sorted(current - theirs)[:3]}", source=ckpt.source,
-                                  key=param_group_key(i, "params"),
-                                  fix="put the same parameters in each group as the saving run did")
-        for name, key in saved[i].items():
-            if name != "params":
-                group[name] = values[key]
-
-
-def state_to_param(key: str, value: torch.Tensor, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-    """Place a state tensor as torch's ``Optimizer.load_state_dict`` does."""
-    if key == "step":
-        if group.get("capturable") or group.get("fused"):
-            return value.to(dtype=torch.float32, device=param.device)
-        return value
-    if param.is_floating_point() and value.is_floating_point():
-        return value.to(dtype=param.dtype, device=param.device)
-    return value.to(device=param.device)
-
-
-def check_model(ckpt: Checkpoint, params: list[tuple[tuple[str, ...], tuple[int, ...]]],
-                buffers: dict[str, torch.Tensor], strict: bool) -> list[str | None]:
-    """The checkpoint key of each parameter, given as (names, whole shape), or ``None`` where
-    the checkpoint lacks it; a clear error for shape mismatches and, strictly, for missing or
-    unexpected names. Shared by every backend's loader."""
-    found: list[str | None] = []
-    missing = []
-    for names, shape in params:
-        key = next((model_key(n) for n in names if ckpt.tensor(model_key(n)) is not None), None)
-        found.append(key)
-        if key is None:
-            missing.append(names[0])
-            continue
-        saved = tuple(ckpt.tensor(key).size)  # type: ignore[union-attr]
-        if saved != tuple(shape):
-            raise CheckpointError(f"has shape {saved}; the model's parameter has {tuple(shape)}",
-                                  source=ckpt.source, key=key, fix="load into the model architecture that saved it")
-    for name, buffer in buffers.items():
-        md = ckpt.tensor(model_key(name))
-        if md is None:
-            missing.append(name)
-        elif tuple(md.size) != tuple(buffer.shape):
-            raise CheckpointError(f"has shape {tuple(md.size)}; the model's buffer has {tuple(buffer.shape)}",
-                                  source=ckpt.source, key=model_key(name),
-                                  fix="load into the model architecture that saved it")
-    known = {model_key(n) for names, _ in params for n in names} | {model_key(n) for n in buffers}
-    unexpected = sorted(k for k in ckpt.keys() if k.startswith("model.") and k not in known)
-    if strict and (missing or unexpected):
-        parts = ([f"missing {len(missing)}: {', '.join(missing[:5])}"] if missing else []) + \
-                ([f"unexpected {len(unexpected)}: {', '.join(unexpected[:5])}"] if unexpected else [])
-        raise CheckpointError(f"does not match the model ({'; '.join(parts)})", source=ckpt.source, key="model",
-                              fix="load into the model that saved it, or pass strict=False to load what matches")
-    return found
-
-
 def load_engine(ckpt: Checkpoint, engine: Engine, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                 strict: bool) -> None:
     """Read this rank's runs (and buffers) from ``ckpt`` into the engine and the optimizer. Collective."""
@@ -314,3 +221,57 @@ def _flush(ckpt: Checkpoint, job: _Job) -> None:
     ckpt.read(job.targets)
     for finish in job.finish:
         finish()
+
+
+def stepping_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """Loss scaler ``[scale, hysteresis, clean steps]`` (float64) and skipped steps (int64)."""
+    return {"loss_scaler": engine.stepper.scaler.state_tensor(),
+            "skipped_steps": torch.tensor(engine.stepper.skipped_steps, dtype=torch.int64)}
+
+
+def restore_stepping(engine: Engine, state: dict[str, torch.Tensor]) -> None:
+    """Put back what ``stepping_state`` saved. A scaler is restored only when both
+    runs scale dynamically (a static or absent scale comes from the spec)."""
+    if "loss_scaler" in state:
+        engine.stepper.scaler.load_state_tensor(state["loss_scaler"])
+    if "skipped_steps" in state:
+        engine.stepper.skipped_steps = int(state["skipped_steps"])
+
+
+def layout_summary(engine: Engine) -> dict[str, Any]:
+    """How the saving run was laid out (``checkpoint info`` prints it)."""
+    plan, mesh = engine.plan, engine.mesh
+    return {"world_size": mesh.world_size, "shard_size": mesh.shard_size, "replicas": mesh.replicas,
+            "strategy": plan.spec.summary(), "master_dtype": str(plan.master_dtype).removeprefix("torch."),
+            "compute_dtype": str(plan.compute_dtype).removeprefix("torch.")}
+
+
+def save_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None,
+                metadata: dict[str, Any] | None) -> Path:
+    """``save_checkpoint`` on the native engine: every rank its own runs."""
+    text = metadata_json(metadata)
+    pieces, blobs = engine_pieces(engine, optimizer)
+    pieces += [tensor_piece(rank_key(engine.mesh.rank, name), value) for name, value in capture_rng().items()]
+    layout = layout_summary(engine)
+    if engine.mesh.rank == 0:
+        more, groups = replicated_pieces(engine, optimizer, model)
+        pieces += more + [tensor_piece(f"{ZB}.{name}", value) for name, value in stepping_state(engine).items()]
+        blobs += groups + [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, text)]
+    write_checkpoint(path, pieces, blobs, distributed=True,
+                     saved={**layout, "zerobridge": __version__, "torch": torch.__version__})
+    return path
+
+
+def load_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None, *,
+                strict: bool, rng: bool) -> dict[str, Any]:
+    """``load_checkpoint`` on the native engine: each rank reads the chunks its runs overlap."""
+    ckpt = open_checkpoint(path, distributed=True)
+    load_engine(ckpt, engine, model, optimizer, strict=strict)
+    extras = {name: ckpt.full(f"{ZB}.{name}") for name in ("loss_scaler", "skipped_steps")
+              if ckpt.tensor(f"{ZB}.{name}") is not None}
+    restore_stepping(engine, extras)
+    ranks = saved_ranks(ckpt)
+    if rng and ranks:
+        source = ranks.get(engine.mesh.rank % len(ranks), {})
+        restore_rng({name: ckpt.full(key) for name, key in source.items()})
+    return user_metadata(ckpt)

@@ -1,7 +1,7 @@
 """The DeepSpeed JSON the deepspeed backend runs a spec with, or the reason it cannot.
 
     >>> from zerobridge.spec.presets import spec_for_stage
-    >>> from zerobridge.backends.deepspeed_config import build_config
+    >>> from zerobridge.backends.deepspeed.config import build_config
     >>> plan = build_config(spec_for_stage(2), world_size=2)
     >>> plan.config["zero_optimization"]["stage"], plan.config["train_batch_size"], plan.accumulation_steps
     (2, 2, 1)

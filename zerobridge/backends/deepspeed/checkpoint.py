@@ -20,32 +20,47 @@ host memory, not for the largest ones.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zerobridge._version import __version__
-from zerobridge.backends.deepspeed_access import shape_of
-from zerobridge.checkpoint.api import metadata_json, saved_ranks
-from zerobridge.checkpoint.extras import capture_rng, restore_rng
+from zerobridge.backends.deepspeed.config import DeepSpeedPlan
+from zerobridge.backends.deepspeed.internals import DeepSpeedInternals, shape_of
+from zerobridge.checkpoint.metadata import metadata_json, saved_ranks
+from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, rank_key
 from zerobridge.checkpoint.portable import PortableState, portable_from, write_portable
 from zerobridge.checkpoint.reader import open_checkpoint
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import agree
 
-if TYPE_CHECKING:
-    from zerobridge.backends.deepspeed import DeepSpeedBackend
+__all__ = ["DeepSpeedRun", "load", "save"]
 
-__all__ = ["load", "save"]
+
+class DeepSpeedRun(Protocol):
+    """What saving and loading read of the backend (``backend.py``'s ``DeepSpeedRun``)."""
+
+    model: nn.Module
+    client: torch.optim.Optimizer
+    """The user's optimizer, whose param groups DeepSpeed steps."""
+    groups: list[list[str]]
+    """Parameter names of each of the client's param groups."""
+    plan: DeepSpeedPlan
+    internals: DeepSpeedInternals
+
+    def named_params(self) -> list[tuple[nn.Parameter, list[str]]]: ...
+
+    def full_state(self, *, rank0_only: bool, offload_to_cpu: bool) -> dict[str, torch.Tensor]: ...
 
 
 def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _group_index(backend: DeepSpeedBackend) -> dict[str, int]:
+def _group_index(backend: DeepSpeedRun) -> dict[str, int]:
     if len(backend.groups) != len(backend.client.param_groups):
         raise CheckpointError(f"DeepSpeed runs {len(backend.client.param_groups)} param group(s), the optimizer "
                               f"had {len(backend.groups)}", key="optim.param_groups",
@@ -53,18 +68,18 @@ def _group_index(backend: DeepSpeedBackend) -> dict[str, int]:
     return {name: i for i, names in enumerate(backend.groups) for name in names}
 
 
-def save(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, metadata: dict[str, Any] | None) -> Path:
+def save(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, metadata: dict[str, Any] | None) -> Path:
     """Write a zerobridge checkpoint of the engine's state. Collective; rank 0 writes."""
     metadata_json(metadata)  # refuse bad metadata on every rank, before any collective
-    model = backend.full_state_dict()
+    model = backend.full_state(rank0_only=False, offload_to_cpu=False)
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     groups: list[dict[str, Any]] = []
     if with_optimizer:
         index = _group_index(backend)
-        backend.access.relink()
+        backend.internals.relink()
         for param, names in backend.named_params():
             if param.requires_grad and names[0] in index:
-                state = backend.access.full_state(param, index[names[0]])
+                state = backend.internals.full_state(param, index[names[0]])
                 if state:
                     optimizer[names[0]] = state
         groups = [{k: v for k, v in group.items() if k != "params"} | {"params": names}
@@ -75,7 +90,7 @@ def save(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, metadat
         states = [None] * world
         dist.all_gather_object(states, capture_rng())
     extras = {rank_key(rank, name): value for rank, saved in enumerate(states) for name, value in saved.items()}
-    extras[f"{ZB}.skipped_steps"] = torch.tensor(int(backend.engine.skipped_steps), dtype=torch.int64)
+    extras[f"{ZB}.skipped_steps"] = torch.tensor(backend.internals.skipped_steps, dtype=torch.int64)
     stage = backend.plan.config["zero_optimization"]["stage"]
     compute = "bfloat16" if backend.plan.config["bf16"]["enabled"] else "float32"
     layout = {"world_size": world, "shard_size": world if stage else 1, "replicas": 1 if stage else world,
@@ -93,7 +108,7 @@ def save(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, metadat
     return path
 
 
-def load(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, strict: bool, rng: bool) -> dict[str, Any]:
+def load(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, strict: bool, rng: bool) -> dict[str, Any]:
     """Load any zerobridge (or FSDP2) checkpoint into the engine. Collective."""
     ckpt = open_checkpoint(path, distributed=_distributed())
     state = portable_from(ckpt, optimizer=with_optimizer)
@@ -118,7 +133,7 @@ def load(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, strict:
         raise CheckpointError(f"does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})",
                               source=ckpt.source, key="model",
                               fix="load into the model that saved it, or pass strict=False to load what matches")
-    backend.access.set_masters(values)
+    backend.internals.set_masters(values)
     with torch.no_grad():
         for name, buffer in buffers.items():
             if name in state.model:
@@ -126,7 +141,7 @@ def load(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, strict:
     if with_optimizer:
         _load_optimizer(backend, state, params, strict=strict, source=ckpt.source)
     if ckpt.tensor(f"{ZB}.skipped_steps") is not None:
-        backend.engine.skipped_steps = int(ckpt.full(f"{ZB}.skipped_steps"))
+        backend.internals.skipped_steps = int(ckpt.full(f"{ZB}.skipped_steps"))
     ranks = saved_ranks(ckpt)
     if rng and ranks:
         mine = ranks.get((dist.get_rank() if dist.is_initialized() else 0) % len(ranks), {})
@@ -134,7 +149,7 @@ def load(backend: DeepSpeedBackend, path: Path, *, with_optimizer: bool, strict:
     return state.metadata
 
 
-def _load_optimizer(backend: DeepSpeedBackend, state: PortableState, params: list[Any], *, strict: bool,
+def _load_optimizer(backend: DeepSpeedRun, state: PortableState, params: list[Any], *, strict: bool,
                     source: str) -> None:
     if not state.param_groups:
         if strict:
@@ -157,8 +172,8 @@ def _load_optimizer(backend: DeepSpeedBackend, state: PortableState, params: lis
         group.update({k: v for k, v in saved.items() if k != "params"})
     if not state.optimizer:
         return
-    backend.access.ensure_state()
+    backend.internals.ensure_state()
     for param, names in params:
         saved_state = next((state.optimizer[n] for n in names if n in state.optimizer), None)
         if param.requires_grad and saved_state is not None and names[0] in index:
-            backend.access.set_state(param, index[names[0]], saved_state)
+            backend.internals.set_state(param, index[names[0]], saved_state)

@@ -2,7 +2,7 @@
 
     >>> from torch import nn
     >>> from zerobridge.spec import ShardingSpec, SizeWrap, StrategySpec
-    >>> from zerobridge.backends.fsdp_kwargs import fsdp2_units, to_fsdp2_kwargs
+    >>> from zerobridge.backends.fsdp.kwargs import fsdp2_units, to_fsdp2_kwargs
     >>> kwargs = to_fsdp2_kwargs(StrategySpec(sharding=ShardingSpec.for_stage(2)))
     >>> kwargs["reshard_after_forward"], type(kwargs["offload_policy"]).__name__
     (False, 'OffloadPolicy')
@@ -16,9 +16,10 @@ keywords from ``write_fsdp1(spec)``; ``to_fsdp2_kwargs`` gives
 ``fsdp2_units`` the submodules to shard before the root. The translators in
 ``zerobridge/translate/`` stay torch-free data; everything that needs torch
 (meshes, class lookup in a model, the process group's world size) is here.
-Their wrapping is the plain torch one (``isinstance`` over the named classes,
-post-order), not the native engine's ``zerobridge.engine.units``, which the
-FSDP2 backend (``backends/fsdp.py``) uses.
+The FSDP2 backend (``prepare.py``) builds its ``fully_shard`` keywords and
+mesh with the same functions, and ``fsdp2_units`` cuts the same units it
+does (``runtime/wrap_units.py``), so the backend and a script that calls
+``fully_shard`` itself run the same thing.
 """
 
 from __future__ import annotations
@@ -37,20 +38,20 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
+from zerobridge.backends.fsdp.apply import plan_units
 from zerobridge.errors import ConfigError
-from zerobridge.spec import StrategySpec, is_auto
+from zerobridge.runtime.wrap_units import layer_class_names
+from zerobridge.spec import StrategySpec, TransformerWrap
 from zerobridge.translate.fsdp1 import CARRIED_FLAGS, HYBRID, MP_CARRIED, write_fsdp1
 from zerobridge.translate.fsdp2 import write_fsdp2
-from zerobridge.translate.fsdp_write import write_wrap
 from zerobridge.translate.keys import from_validation_error
-from zerobridge.translate.report import Report
 
-__all__ = ["build_mesh", "device_type", "fsdp2_units", "layer_classes", "to_fsdp1_kwargs", "to_fsdp2_kwargs",
-           "with_world_size"]
+__all__ = ["device_mesh_from_form", "fsdp2_units", "fully_shard_kwargs", "layer_classes", "to_fsdp1_kwargs",
+           "to_fsdp2_kwargs", "with_world_size"]
 
 
-def device_type() -> str:
-    """The device type meshes are built on."""
+def _device_type() -> str:
+    """The device type meshes are built on when none is named."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -71,31 +72,30 @@ def with_world_size(spec: StrategySpec, world_size: int | None) -> StrategySpec:
         raise from_validation_error(exc) from None
 
 
-def build_mesh(form: dict[str, Any]) -> DeviceMesh | None:
-    """The DeviceMesh of a written ``{"shape", "mesh_dim_names"}``; ``None``
-    when no process group is initialised."""
+def device_mesh_from_form(form: dict[str, Any] | None, *, world_size: int | None = None,
+                         device_type: str | None = None) -> DeviceMesh | None:
+    """The ``DeviceMesh`` a written form names (``{"shape", "mesh_dim_names"}``); no form: ``[world]``
+    over ``dp_shard``. ``None`` when no process group is initialised. Built here, so that a hybrid
+    run really replicates (dim 0 replicates, the last dim shards)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return init_device_mesh(device_type(), tuple(form["shape"]), mesh_dim_names=tuple(form["mesh_dim_names"]))
+    shape = tuple(form["shape"]) if form is not None else (world_size or dist.get_world_size(),)
+    names = tuple(form["mesh_dim_names"]) if form is not None else ("dp_shard",)
+    return init_device_mesh(device_type or _device_type(), shape, mesh_dim_names=names)
 
 
 def layer_classes(names: list[str] | str, module: nn.Module | None) -> set[type[nn.Module]]:
     """The classes named ``names`` (``"auto"``: ``module._no_split_modules``) in ``module``'s tree."""
-    key = "wrapping.layer_classes"
     if module is None:
-        raise ConfigError("layer classes are given by name: the model is needed to find them", key=key,
-                          fix="pass module=model")
-    if is_auto(names):
-        names = list(getattr(module, "_no_split_modules", None) or ())
-        if not names:
-            raise ConfigError("\"auto\" takes a Hugging Face model's _no_split_modules, and this model has none",
-                              key=key, fix='name the layer classes, e.g. ["LlamaDecoderLayer"]')
+        raise ConfigError("layer classes are given by name: the model is needed to find them",
+                          key="wrapping.layer_classes", fix="pass module=model")
+    wanted = layer_class_names(module, TransformerWrap(layer_classes=names))  # type: ignore[arg-type]
     found = {type(m).__name__: type(m) for m in module.modules()}
-    missing = [n for n in names if n not in found]
+    missing = [n for n in wanted if n not in found]
     if missing:
-        raise ConfigError(f"no module of class {', '.join(missing)} in the model", key=key,
+        raise ConfigError(f"no module of class {', '.join(missing)} in the model", key="wrapping.layer_classes",
                           fix=f"use classes the model has: {', '.join(sorted(found))}")
-    return {found[n] for n in names}
+    return {found[n] for n in wanted}
 
 
 def to_fsdp1_kwargs(spec: StrategySpec, *, world_size: int | None = None,
@@ -143,9 +143,33 @@ def to_fsdp1_kwargs(spec: StrategySpec, *, world_size: int | None = None,
     elif wrap is not None:
         kwargs["auto_wrap_policy"] = functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(wrap["transformer_layer_cls"], module))
-    mesh = build_mesh(form["device_mesh"]) if form["device_mesh"] is not None else None
+    mesh = device_mesh_from_form(form["device_mesh"]) if form["device_mesh"] is not None else None
     if mesh is not None:
         kwargs["device_mesh"] = mesh
+    return kwargs
+
+
+def fully_shard_kwargs(form: dict[str, Any], mesh: DeviceMesh | None, *, param_dtype: torch.dtype | None = None,
+                       reduce_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``fully_shard``'s keywords from ``write_fsdp2``'s JSON form: ``mesh`` (left out when
+    ``None``), ``reshard_after_forward``, ``mp_policy`` (dtypes as the form names them unless given:
+    the backend passes the ones its run rules resolved), ``offload_policy`` (pinning only where an
+    accelerator can pin host memory)."""
+    mp = form["mp_policy"]
+    dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+    if param_dtype is not None:
+        dtypes["param_dtype"] = param_dtype
+    if reduce_dtype is not None:
+        dtypes["reduce_dtype"] = reduce_dtype
+    offload = form["offload_policy"]
+    kwargs: dict[str, Any] = {
+        "reshard_after_forward": form["reshard_after_forward"],
+        "mp_policy": MixedPrecisionPolicy(**dtypes, cast_forward_inputs=mp["cast_forward_inputs"]),
+        "offload_policy": OffloadPolicy() if offload is None else
+        CPUOffloadPolicy(pin_memory=bool(offload["pin_memory"]) and torch.cuda.is_available()),
+    }
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     return kwargs
 
 
@@ -159,53 +183,12 @@ def to_fsdp2_kwargs(spec: StrategySpec, *, world_size: int | None = None) -> dic
     arguments: use ``fsdp2_units`` for the first.
     """
     form = write_fsdp2(with_world_size(spec, world_size)).value
-    mp = form["mp_policy"]
-    dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "output_dtype")}
-    offload = form["offload_policy"]
-    kwargs: dict[str, Any] = {
-        "reshard_after_forward": form["reshard_after_forward"],
-        "mp_policy": MixedPrecisionPolicy(**dtypes, cast_forward_inputs=mp["cast_forward_inputs"]),
-        "offload_policy": OffloadPolicy() if offload is None else
-        CPUOffloadPolicy(pin_memory=offload["pin_memory"] and torch.cuda.is_available()),
-    }
-    if form["mesh"] is not None:
-        mesh = build_mesh(form["mesh"])
-        if mesh is not None:
-            kwargs["mesh"] = mesh
-    return kwargs
+    return fully_shard_kwargs(form, device_mesh_from_form(form["mesh"]) if form["mesh"] is not None else None)
 
 
 def fsdp2_units(spec: StrategySpec, module: nn.Module) -> list[nn.Module]:
-    """The submodules to ``fully_shard`` before the root, innermost first (post-order).
-
-    ``TransformerWrap``: every instance of the layer classes (resolved by name
-    in ``module``). ``SizeWrap``: like FSDP1's size-based policy, a subtree
-    whose not yet claimed parameters reach ``min_params`` elements (module
-    containers excluded). Otherwise none: the root is the only unit.
-    """
-    form = write_wrap(spec, Report(source="spec", target="fsdp2"), target="wrap")
-    if form is None:
-        return []
-    units: list[nn.Module] = []
-    if "transformer_layer_cls" in form:
-        classes = tuple(layer_classes(form["transformer_layer_cls"], module))
-
-        def visit(node: nn.Module) -> None:
-            for child in node.children():
-                visit(child)
-            if node is not module and isinstance(node, classes):
-                units.append(node)
-
-        visit(module)
-        return units
-
-    def claim(node: nn.Module) -> int:
-        size = sum(claim(child) for child in node.children()) + sum(p.numel() for p in node.parameters(recurse=False))
-        container = isinstance(node, (nn.ModuleList, nn.ModuleDict))
-        if node is not module and size >= form["min_num_params"] and not container:
-            units.append(node)
-            return 0
-        return size
-
-    claim(module)
-    return units
+    """The submodules to ``fully_shard`` before the root, innermost first: the spec's wrap units as
+    every zerobridge engine cuts them (``runtime/wrap_units.py``), so a script calling
+    ``fully_shard`` itself shards exactly what ``prepare(..., backend="fsdp")`` shards. A unit
+    whose parameters all belong to an enclosing one (a tied weight) is left to it."""
+    return plan_units(module, spec.wrapping).sharded

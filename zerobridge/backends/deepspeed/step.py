@@ -12,8 +12,8 @@ output gradient by the accumulation steps, runs the prologue on the first
 one and the epilogue at the end of the backward pass.
 
 On every stage ``DeepSpeedStepper`` wraps the prologue to decide the accumulation
-boundary itself (``engine.set_gradient_accumulation_boundary``): the N-th
-backward of a window is the boundary, whether the loop calls
+boundary itself (``engine.set_gradient_accumulation_boundary``, from the
+shared ``AccumulationWindow``): the N-th backward of a window is the boundary, whether the loop calls
 ``optimizer.step()`` after each micro-batch (a no-op between boundaries, as
 on the native engine) or once after N backward passes. ``optimizer.step()``
 at a boundary is ``engine.step()``; DeepSpeed clips inside it, so
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,11 +36,9 @@ from torch.utils import _pytree as pytree
 
 from zerobridge.runtime import comm_stats
 from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.backends.deepspeed.internals import DeepSpeedInternals
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.window import AccumulationWindow, WindowState, no_gradients
-
-if TYPE_CHECKING:
-    from zerobridge.backends.deepspeed_access import Access
 
 __all__ = ["DeepSpeedModule", "DeepSpeedOptimizer", "DeepSpeedStepper"]
 
@@ -48,11 +46,11 @@ __all__ = ["DeepSpeedModule", "DeepSpeedOptimizer", "DeepSpeedStepper"]
 class DeepSpeedStepper:
     """Boundaries, backward, step and clipping for one engine."""
 
-    def __init__(self, engine: Any, model: nn.Module, access: Access, comm: CommStats, *,
+    def __init__(self, engine: Any, model: nn.Module, internals: DeepSpeedInternals, comm: CommStats, *,
                  accumulation_steps: int, clip: float | None) -> None:
         self.engine = engine
         self.model = model
-        self.access = access
+        self.internals = internals
         self.comm = comm
         self.accumulation_steps = accumulation_steps
         self.spec_clip = clip
@@ -65,11 +63,10 @@ class DeepSpeedStepper:
         self.user_clip: float | None = None
         self.norm: torch.Tensor | None = None
         """The global norm before clipping at this boundary, once computed."""
-        self.plain = not engine._support_torch_style_backward
-        self._prologue: Callable[[], None] = engine._backward_prologue
-        self._epilogue: Callable[[], None] = engine._backward_epilogue
+        self.plain = not internals.torch_style_backward
+        self._prologue, self._epilogue = internals.backward_prologue_epilogue()
         if not self.plain:
-            engine._backward_prologue = self._engine_prologue  # looked up per call by DeepSpeed's output hooks
+            internals.wrap_backward_prologue(self._engine_prologue)
 
     @contextmanager
     def counting(self) -> Iterator[None]:
@@ -111,24 +108,18 @@ class DeepSpeedStepper:
 
     def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Stage 0: what ``engine.backward`` does around ``loss.backward()``."""
-        engine = self.engine
         if not self.window.in_backward:
-            with engine._running_engine_backward_lock:
-                engine._running_engine_backward_count += 1
-                engine._running_engine_backward = True
+            self.internals.enter_engine_backward()
             self._begin()
             self._prologue()
             torch.autograd.Variable._execution_engine.queue_callback(self._plain_end)  # type: ignore[attr-defined]
         return grad / self.accumulation_steps
 
     def _plain_end(self) -> None:
-        engine = self.engine
         try:
             self._epilogue()
         finally:
-            with engine._running_engine_backward_lock:
-                engine._running_engine_backward_count -= 1
-                engine._running_engine_backward = engine._running_engine_backward_count > 0
+            self.internals.leave_engine_backward()
             self._end()
 
     # ------------------------------------------------------------------ step
@@ -142,14 +133,14 @@ class DeepSpeedStepper:
             raise no_gradients()
         if self.norm is None:
             with self.counting():
-                self.norm = self.access.grad_norm()
+                self.norm = self.internals.grad_norm()
         total = self.norm
         if self.user_clip is not None:  # clipped before in this step: the norm it left
             total = total * torch.clamp(self.user_clip / (total + 1e-6), max=1.0)
-        if self.access.clips_in_step:
+        if self.internals.clips_in_step:
             self.user_clip = min(max_norm, self.user_clip if self.user_clip is not None else math.inf)
         else:
-            self.access.clip_now(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            self.internals.clip_now(torch.clamp(max_norm / (total + 1e-6), max=1.0))
             self.norm = None
         return total
 
@@ -159,13 +150,13 @@ class DeepSpeedStepper:
             return
         limits = [c for c in (self.user_clip, self.spec_clip) if c is not None and math.isfinite(c)]
         with self.counting():
-            if self.access.clips_in_step:
-                self.access.set_step_clip(min(limits) if limits else None)
+            if self.internals.clips_in_step:
+                self.internals.set_step_clip(min(limits) if limits else None)
             try:
                 self.engine.step()
             finally:
-                if self.access.clips_in_step:
-                    self.access.set_step_clip(self.spec_clip)
+                if self.internals.clips_in_step:
+                    self.internals.set_step_clip(self.spec_clip)
         self.ready = False
         self.norm = None
         self.user_clip = None

@@ -23,28 +23,40 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from zerobridge.runtime.tensors import local_tensor
 from zerobridge._version import __version__
-from zerobridge.checkpoint.api import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
-from zerobridge.checkpoint.extras import capture_rng, restore_rng
+from zerobridge.backends.fsdp.step import FsdpStepper
+from zerobridge.checkpoint.metadata import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
+from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, Box, model_key, optim_state_key, param_group_key, rank_key, whole
 from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
-from zerobridge.checkpoint.sharded import (
+from zerobridge.checkpoint.matching import (
     check_model, group_keys, optimizer_params, restore_groups, state_keys, state_to_param,
 )
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
+from zerobridge.runtime.plan import RunPlan
 
-if TYPE_CHECKING:
-    from zerobridge.backends.fsdp import FsdpBackend
+__all__ = ["FsdpRun", "load_fsdp", "save_fsdp"]
 
-__all__ = ["load_fsdp", "save_fsdp"]
+
+class FsdpRun(Protocol):
+    """What saving and loading read of the backend (``backend.py``'s ``FsdpRun``)."""
+
+    model: nn.Module
+    mesh: DeviceMesh
+    plan: RunPlan
+    stepper: FsdpStepper
+
+    @property
+    def shard_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,7 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return local_tensor(value).detach()
 
 
-def _shards(backend: FsdpBackend) -> list[Shard]:
+def _shards(backend: FsdpRun) -> list[Shard]:
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, param in backend.model.named_parameters(remove_duplicate=False):
@@ -88,13 +100,13 @@ def _shards(backend: FsdpBackend) -> list[Shard]:
     return out
 
 
-def _writer(backend: FsdpBackend) -> bool:
+def _writer(backend: FsdpRun) -> bool:
     """Ranks of the first replica write (hybrid replicas hold the same shards)."""
     coordinate = backend.mesh.get_coordinate() or [0]
     return backend.mesh.ndim == 1 or coordinate[0] == 0
 
 
-def layout(backend: FsdpBackend) -> dict[str, Any]:
+def layout(backend: FsdpRun) -> dict[str, Any]:
     """How the saving run was laid out (``zerobridge checkpoint info`` prints it)."""
     plan = backend.plan
     return {"world_size": backend.mesh.size(), "shard_size": backend.shard_size,
@@ -103,7 +115,7 @@ def layout(backend: FsdpBackend) -> dict[str, Any]:
             "compute_dtype": str(plan.compute_dtype).removeprefix("torch."), "backend": "fsdp"}
 
 
-def save_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer | None,
+def save_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | None,
               metadata: dict[str, Any] | None) -> Path:
     """``save_checkpoint`` on the FSDP2 backend. Collective."""
     import torch.distributed as dist
@@ -147,8 +159,8 @@ def save_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer
             for i, group in enumerate(optimizer.param_groups):
                 blobs += [Blob(param_group_key(i, k), [first[id(p)] for p in v] if k == "params" else v)
                           for k, v in group.items()]
-        pieces += [tensor_piece(f"{ZB}.loss_scaler", backend.stepping.scaler.state_tensor()),
-                   tensor_piece(f"{ZB}.skipped_steps", torch.tensor(backend.stepping.skipped_steps))]
+        pieces += [tensor_piece(f"{ZB}.loss_scaler", backend.stepper.scaler.state_tensor()),
+                   tensor_piece(f"{ZB}.skipped_steps", torch.tensor(backend.stepper.skipped_steps))]
         blobs += [Blob(LAYOUT_KEY, summary), Blob(METADATA_KEY, text)]
     write_checkpoint(path, pieces, blobs, distributed=True,
                      saved={**summary, "zerobridge": __version__, "torch": torch.__version__})
@@ -168,7 +180,7 @@ def _staged(ckpt: Checkpoint, key: str, box: Box, targets: list[Target]) -> torc
     return buffer
 
 
-def load_fsdp(path: Path, backend: FsdpBackend, optimizer: torch.optim.Optimizer | None, *, strict: bool,
+def load_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | None, *, strict: bool,
               rng: bool) -> dict[str, Any]:
     """``load_checkpoint`` on the FSDP2 backend: each rank reads its rows. Collective."""
     import torch.distributed as dist
@@ -250,9 +262,9 @@ def _set_state(optimizer: torch.optim.Optimizer, shard: Shard, staged: dict[str,
     optimizer.state[param] = state
 
 
-def _restore_stepping(backend: FsdpBackend, ckpt: Checkpoint) -> None:
+def _restore_stepping(backend: FsdpRun, ckpt: Checkpoint) -> None:
     """Loss scaler (when both runs scale dynamically) and skipped steps, as the native load does."""
     if ckpt.tensor(f"{ZB}.loss_scaler") is not None:
-        backend.stepping.scaler.load_state_tensor(ckpt.full(f"{ZB}.loss_scaler"))
+        backend.stepper.scaler.load_state_tensor(ckpt.full(f"{ZB}.loss_scaler"))
     if ckpt.tensor(f"{ZB}.skipped_steps") is not None:
-        backend.stepping.skipped_steps = int(ckpt.full(f"{ZB}.skipped_steps"))
+        backend.stepper.skipped_steps = int(ckpt.full(f"{ZB}.skipped_steps"))

@@ -1,7 +1,7 @@
 """What torch FSDP2 runs for a spec, and what it refuses: the translator's report, judged.
 
     >>> from zerobridge.spec.presets import spec_for_stage
-    >>> from zerobridge.backends.fsdp_plan import assess
+    >>> from zerobridge.backends.fsdp.assess import assess
     >>> [e.key for e in assess(spec_for_stage(3), world_size=2, local_world_size=2).approximations]
     []
     >>> [e.key for e in assess(spec_for_stage(1), world_size=2, local_world_size=2).approximations]
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerobridge.backends.fsdp_kwargs import with_world_size
+from zerobridge.backends.fsdp.kwargs import with_world_size
 from zerobridge.errors import ConfigError
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.fsdp2 import write_fsdp2

@@ -1,7 +1,7 @@
 """Put a model on torch FSDP2: one ``apply_*`` function per concern, in the order ``prepare`` runs them.
 
     >>> import torch
-    >>> from zerobridge.backends.fsdp_apply import plan_units
+    >>> from zerobridge.backends.fsdp.apply import plan_units
     >>> from zerobridge.spec import EveryModuleWrap
     >>> tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5, bias=False)})
     >>> tied["head"].weight = tied["embed"].weight
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from zerobridge.engine import collectives
@@ -39,17 +39,9 @@ from zerobridge.spec import WrapSpec
 from zerobridge.translate.report import Entry, Status
 
 __all__ = [
-    "UnitCut", "apply_activation_checkpointing", "apply_fully_shard", "broadcast_from_rank0", "build_mesh",
+    "UnitCut", "apply_activation_checkpointing", "apply_fully_shard", "broadcast_from_rank0",
     "cast_states", "first_names", "plan_units", "replace_optimizer_params",
 ]
-
-
-def build_mesh(form: dict[str, Any] | None, *, world_size: int, device_type: str) -> DeviceMesh:
-    """The mesh of the FSDP2 form: ``[world]`` (dim ``dp_shard``) or ``[replicas, shard]``
-    (dims ``dp_replicate``, ``dp_shard``), built here so that a hybrid run really replicates."""
-    shape = tuple(form["shape"]) if form is not None else (world_size,)
-    names = tuple(form["mesh_dim_names"]) if form is not None else ("dp_shard",)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -102,7 +94,8 @@ def plan_units(model: nn.Module, wrap: WrapSpec) -> UnitCut:
     names = {id(m): n for n, m in model.named_modules()}
     claimed: set[int] = set()  # modules inside a unit already cut
     cut = UnitCut()
-    for index in reversed(range(1, len(units))):  # pre-order reversed: descendants first
+    post = {id(m): i for i, m in enumerate(_post_order(model))}
+    for index in sorted(range(1, len(units)), key=lambda i: post[id(units[i])]):  # descendants first
         unit = units[index]
         modules = [m for m in unit.modules() if id(m) not in claimed]
         params = {id(p) for m in modules for p in m._parameters.values() if p is not None}
@@ -117,6 +110,14 @@ def plan_units(model: nn.Module, wrap: WrapSpec) -> UnitCut:
         cut.sharded.append(unit)
         claimed.update(id(m) for m in modules)
     return cut
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    """``module``'s tree, every module after its children, siblings in registration order."""
+    out: list[nn.Module] = []
+    for child in module.children():
+        out += _post_order(child)
+    return [*out, module]
 
 
 def apply_fully_shard(model: nn.Module, cut: UnitCut, kwargs: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Reading and writing a DeepSpeed engine's state: the one place that knows its internals.
+"""Reading and writing a DeepSpeed engine's state: the one place that touches its private attributes.
 
 DeepSpeed 0.19.8 wraps the user's optimizer in one of a few classes, chosen
 by stage and precision; each keeps gradients, fp32 master weights and the
@@ -14,16 +14,22 @@ the user's optimizer itself       stage 0, fp32                               th
 ``DeepSpeedZeroOptimizer_Stage3`` stage 3                                     ``deepspeed.utils.safe_*``
 ================================  ==========================================  ==========================
 
-``Access`` hides the difference: the global gradient norm computed the way
-the coming ``step()`` will compute it, the clipping that step applies, full
-fp32 masters and optimizer state per parameter (collective under ZeRO), and
-the bytes held by role and tier. Every rank must call the collective
-methods in the same parameter order.
+``DeepSpeedInternals`` hides the difference: the global gradient norm
+computed the way the coming ``step()`` will compute it, the clipping that
+step applies, full fp32 masters and optimizer state per parameter
+(collective under ZeRO), and the bytes held by role and tier. Every rank
+must call the collective methods in the same parameter order.
+
+It is also where the backend reaches into the engine's backward machinery
+(``_backward_prologue``, ``_backward_epilogue``, the running-backward
+count), the skipped-step counter and the comm backend's cached collectives
+(``recount_collectives``): nowhere else in zerobridge names a private
+DeepSpeed attribute, so a DeepSpeed upgrade is checked here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +38,7 @@ from torch import nn
 from zerobridge.runtime.tensors import StorageCounter
 from zerobridge.runtime.step_rules import norm_part
 
-__all__ = ["Access", "held_bytes", "shape_of"]
+__all__ = ["DeepSpeedInternals", "held_bytes", "recount_collectives", "shape_of"]
 
 _MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
             "fp32_groups")
@@ -57,7 +63,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-class Access:
+class DeepSpeedInternals:
     """What the backend reads from and writes into one DeepSpeed engine."""
 
     def __init__(self, engine: Any, model: nn.Module, client: torch.optim.Optimizer) -> None:
@@ -86,6 +92,45 @@ class Access:
             if wrapper is not client:
                 raise TypeError(f"unexpected DeepSpeed optimizer wrapper {type(wrapper).__name__}")
             self.copies = {id(p): p for p in model.parameters() if p.requires_grad}
+
+    # ------------------------------------------------------------------ backward and counters
+
+    @property
+    def torch_style_backward(self) -> bool:
+        """Whether the engine runs a plain ``loss.backward()`` itself (ZeRO stages 1-3 in 0.19.8)."""
+        return bool(self.engine._support_torch_style_backward)
+
+    def backward_prologue_epilogue(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The engine's own ``_backward_prologue`` and ``_backward_epilogue``."""
+        return self.engine._backward_prologue, self.engine._backward_epilogue
+
+    def wrap_backward_prologue(self, prologue: Callable[[], None]) -> None:
+        """Make ``prologue`` what the engine's output hooks run first in every backward (they look
+        ``_backward_prologue`` up per call)."""
+        self.engine._backward_prologue = prologue
+
+    def enter_engine_backward(self) -> None:
+        """Mark a backward as the engine's own (what ``engine.backward`` does around it)."""
+        engine = self.engine
+        with engine._running_engine_backward_lock:
+            engine._running_engine_backward_count += 1
+            engine._running_engine_backward = True
+
+    def leave_engine_backward(self) -> None:
+        """The engine's own backward is over."""
+        engine = self.engine
+        with engine._running_engine_backward_lock:
+            engine._running_engine_backward_count -= 1
+            engine._running_engine_backward = engine._running_engine_backward_count > 0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the engine skipped (fp16 overflow)."""
+        return int(self.engine.skipped_steps)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.engine.skipped_steps = int(value)
 
     def restore_initial(self, originals: dict[int, torch.Tensor]) -> None:
         """Undo what DeepSpeed's initialisation did to the masters: make them the user's fp32
@@ -300,20 +345,29 @@ class Access:
                 safe_set_full_optimizer_state(param, value.to(torch.float32), key)
 
 
-def held_bytes(access: Access, *, offload_optimizer: bool, offload_params: bool) -> dict[str, Any]:
+def held_bytes(internals: DeepSpeedInternals, *, offload_optimizer: bool, offload_params: bool) -> dict[str, Any]:
     """Bytes this rank holds now, by role (``param_bytes``, ``grad_bytes``,
     ``optimizer_bytes``: masters plus optimizer state) and by tier; each storage
     counted once. DeepSpeed's communication scratch buffers are not counted."""
     count = StorageCounter().add
 
-    wrapper, model = access.wrapper, access.model
+    wrapper, model = internals.wrapper, internals.model
     shards = (getattr(p, "ds_tensor", None) for p in model.parameters())
-    params = count(t for t in shards if t is not None) if access.stage3 else count(p.data for p in model.parameters())
+    params = count(t for t in shards if t is not None) if internals.stage3 else count(p.data for p in model.parameters())
     masters = [t for name in _MASTERS for t in _tensors(getattr(wrapper, name, None))]
     grads = count(p.grad for p in model.parameters() if p.grad is not None)
     grads += count(t.grad for t in masters if t.grad is not None)
     grads += count(t for name in _GRADS for t in _tensors(getattr(wrapper, name, None)))
-    optimizer = count(iter(masters)) + count(t for state in access.client.state.values() for t in _tensors(state))
+    optimizer = count(iter(masters)) + count(t for state in internals.client.state.values() for t in _tensors(state))
     tiers = {"device": grads + (0 if offload_params else params) + (0 if offload_optimizer else optimizer),
              "host": (params if offload_params else 0) + (optimizer if offload_optimizer else 0), "nvme": 0}
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optimizer, "tier_bytes": tiers}
+
+
+def recount_collectives(deepspeed: Any) -> None:
+    """DeepSpeed's torch comm backend keeps the all-gather and reduce-scatter functions it found
+    when it was built; one built before ``comm_stats.install`` would hold uncounted ones."""
+    backend = getattr(deepspeed.comm.comm, "cdb", None)
+    if backend is not None and hasattr(backend, "get_all_gather_function"):
+        backend.all_gather_function = backend.get_all_gather_function()
+        backend.reduce_scatter_function = backend.get_reduce_scatter_function()

@@ -1,7 +1,7 @@
 """Give a meta-device model real values before DeepSpeed takes it, one module at a time.
 
     >>> import torch
-    >>> from zerobridge.backends.deepspeed_materialize import compute_dtype
+    >>> from zerobridge.backends.deepspeed.materialize import compute_dtype
     >>> compute_dtype({"bf16": {"enabled": True}, "fp16": {"enabled": False}})
     torch.bfloat16
 
@@ -87,11 +87,11 @@ def materialize_deepspeed(model: nn.Module, replay: Replay, device: torch.device
                 partitioner([param])
 
 
-def restore_masters(replay: Replay, access: Any) -> None:
+def restore_masters(replay: Replay, internals: Any) -> None:
     """Write the eager fp32 value of every trainable parameter into DeepSpeed's masters (and its
     compute copy), one module at a time. Collective at stage 3."""
     trainable = {key for key, (owner, attr, is_buffer) in replay.first.items()
                  if not is_buffer and owner._parameters[attr] is not None
                  and owner._parameters[attr].requires_grad}  # type: ignore[union-attr]
     for key, value in replay.by_module(trainable.__contains__):
-        access.set_masters({key: value.to(torch.float32)})
+        internals.set_masters({key: value.to(torch.float32)})

@@ -2,7 +2,7 @@
 
     >>> import torch
     >>> from torch.distributed.tensor import Shard
-    >>> from zerobridge.backends.fsdp_materialize import shard_piece
+    >>> from zerobridge.backends.fsdp.materialize import shard_piece
     >>> value = torch.arange(10.0).reshape(5, 2)
     >>> [shard_piece(value, [Shard(0)], (4,), (rank,)).shape[0] for rank in range(4)]   # torch.chunk's split
     [2, 2, 1, 0]

@@ -1,6 +1,6 @@
 """The native engine's step rules around torch FSDP2: accumulation, averaging, clipping, fp16 scaling.
 
-    >>> from zerobridge.backends.fsdp_step import FsdpStepper
+    >>> from zerobridge.backends.fsdp.step import FsdpStepper
     >>> FsdpStepper.__doc__.split(".")[0]
     'Gradient accumulation and the optimizer step of one FSDP2 model, as the native engine does them'
 

@@ -1,7 +1,7 @@
-"""The native engine as a backend: ``zerobridge.prepare``'s default.
+"""A model run by zerobridge's own engine: what the public API asks of it.
 
     >>> import torch, zerobridge
-    >>> from zerobridge.backends import backend_of
+    >>> from zerobridge.backends.base import backend_of
     >>> model = zerobridge.prepare(torch.nn.Linear(4, 2), stage=1)
     >>> backend_of(model).name, sorted(zerobridge.stats(model)["tier_bytes"])
     ('native', ['device', 'host', 'nvme'])
@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from zerobridge.backends.base import Backend
+from zerobridge.backends.native.checkpoint import load_native, save_native
+from zerobridge.backends.native.targets import engine_targets
 from zerobridge.engine import Engine
+from zerobridge.engine.access import refresh_compute
+from zerobridge.engine.state import full_state_dict
 from zerobridge.pretrained.targets import Target
 
 __all__ = ["NativeBackend"]
@@ -34,12 +38,7 @@ class NativeBackend(Backend):
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         return self.engine.clip_grad_norm(max_norm, norm_type)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.engine.full_state_dict()
-
     def full_state(self, *, rank0_only: bool, offload_to_cpu: bool) -> dict[str, torch.Tensor]:
-        from zerobridge.engine.state import full_state_dict
-
         engine = self.engine
         return full_state_dict(self.model, engine.groups, engine.mesh, engine.stats, rank0_only=rank0_only,
                                offload_to_cpu=offload_to_cpu)
@@ -47,29 +46,21 @@ class NativeBackend(Backend):
     def stats(self) -> dict[str, Any]:
         engine = self.engine
         return {**engine.memory(), "comm_bytes": dict(engine.stats.bytes), "comm_calls": dict(engine.stats.calls),
-                "loss_scale": engine.stepping.scaler.scale, "skipped_steps": engine.stepping.skipped_steps}
+                "loss_scale": engine.stepper.scaler.scale, "skipped_steps": engine.stepper.skipped_steps}
 
     def reset_stats(self) -> None:
         self.engine.stats.reset()
 
     def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
                         metadata: dict[str, Any] | None) -> Path:
-        from zerobridge.checkpoint.api import save_native
-
         return save_native(path, self.model, self.engine, optimizer, metadata)
 
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
                         rng: bool) -> dict[str, Any]:
-        from zerobridge.checkpoint.api import load_native
-
         return load_native(path, self.model, self.engine, optimizer, strict=strict, rng=rng)
 
     def pretrained_targets(self) -> list[Target]:
-        from zerobridge.pretrained.targets import engine_targets
-
         return engine_targets(self.engine)
 
     def after_pretrained(self) -> None:
-        from zerobridge.engine.access import refresh_compute
-
         refresh_compute(self.engine)
