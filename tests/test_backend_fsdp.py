@@ -87,15 +87,6 @@ def assert_parity(results: list[Any], ref: RunResult, *, rtol: float = LOSS_RTOL
 # --------------------------------------------------------------------------- no process group
 
 
-@pytest.mark.parametrize("name", ["fsdp_apply", "fsdp_plan", "fsdp_step"])
-def test_module_examples_run(name: str) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(f"zerobridge.backends.{name}"))
-    assert result.failed == 0 and result.attempted > 0
-
-
 def test_translator_report_decides_what_runs() -> None:
     keys = {stage: [e.key for e in assess(spec_for_stage(stage), world_size=2, local_world_size=2).approximations]
             for stage in range(4)}

@@ -7,7 +7,6 @@ engine and a process to kill (a one-rank ``Cluster``).
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -30,9 +29,6 @@ from zerobridge.checkpoint.storage import CheckpointError, aside_dir, saving_dir
 from zerobridge.cli import main
 
 ME = "test_checkpoint"
-MODULES = ["layout", "storage", "unpickle", "writer", "reader", "extras", "full", "portable", "cli", "sharded", "api"]
-
-
 # ---------------------------------------------------------------------------- geometry
 
 @settings(max_examples=300, deadline=None)
@@ -66,14 +62,6 @@ def test_intersect() -> None:
     assert intersect(Box((0, 3), (1, 2)), Box((0, 0), (2, 4))) == Box((0, 3), (1, 1))
     assert intersect(Box((2, 0), (1, 4)), Box((0, 0), (2, 4))) is None
     assert intersect(Box((), ()), Box((), ())) == Box((), ())
-
-
-@pytest.mark.parametrize("name", MODULES)
-def test_module_examples_run(name: str) -> None:
-    import doctest
-
-    result = doctest.testmod(importlib.import_module(f"zerobridge.checkpoint.{name}"))
-    assert result.failed == 0
 
 
 # ---------------------------------------------------------------------------- portable

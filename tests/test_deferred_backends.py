@@ -52,15 +52,6 @@ def stage3(wrap: Any = None, **fields: Any) -> StrategySpec:
 SPECS = {"parity": stage3(), "llama": stage3(), "mixed": stage3(RootWrap())}
 
 
-@pytest.mark.parametrize("name", ["fsdp_materialize", "deepspeed_materialize"])
-def test_module_examples_run(name: str) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(f"zerobridge.backends.{name}"))
-    assert result.failed == 0 and result.attempted > 0
-
-
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[dict[int, Cluster]]:
     with cluster_set(1, 2, 4) as made:

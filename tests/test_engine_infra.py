@@ -264,15 +264,6 @@ def test_checkpoint_barriers_run_on_a_gloo_group_under_nccl(clusters: dict[int, 
         assert result["twin_is_gloo"]
 
 
-def test_distributed_examples_run(solo_group: None) -> None:
-    import doctest
-
-    import zerobridge.distributed
-
-    result = doctest.testmod(zerobridge.distributed)
-    assert result.attempted > 0 and result.failed == 0
-
-
 # ---------------------------------------------------------------------- checkpoints at scale
 
 

@@ -3,9 +3,6 @@ collective accounting; plus prepare's refusals, which happen before any group.""
 
 from __future__ import annotations
 
-import doctest
-import importlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -208,30 +205,3 @@ def test_prepare_refuses_bad_models_before_touching_the_group() -> None:
     assert not torch.distributed.is_initialized()
 
 
-# ----------------------------------------------------------------- runnable examples
-
-
-@pytest.fixture
-def solo_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-@pytest.mark.parametrize("name", [
-    "zerobridge.engine.collectives", "zerobridge.engine.layout", "zerobridge.runtime.wrap_units",
-    "zerobridge.engine.plan", "zerobridge.runtime.loss_scale", "zerobridge.engine.state", "zerobridge.engine.step",
-    "zerobridge.engine.mesh", "zerobridge.engine.grouping", "zerobridge.engine.access", "zerobridge.backends.base", "zerobridge.backends.native.backend", "zerobridge.runtime.comm_stats", "zerobridge.engine.engine",
-    "zerobridge.engine.offload", "zerobridge.engine.swap", "zerobridge.engine.master", "zerobridge.api",
-    "zerobridge.testing.measure", "zerobridge.runtime.deferred_init", "zerobridge.backends.native.materialize",
-    "zerobridge.pretrained.files", "zerobridge.pretrained.load", "zerobridge.pretrained.targets",
-    "zerobridge.testing.deferred", "zerobridge.testing.big_model", "zerobridge.runtime.compile",
-    "zerobridge.spec.compilation", "zerobridge.engine.schedule", "zerobridge.runtime.unit_wrap",
-    "zerobridge.testing.lora", "zerobridge.testing.many_units", "zerobridge.distributed",
-    "zerobridge.compare.tolerance", "zerobridge.testing.workloads", "zerobridge.compare.memory",
-    "zerobridge.engine.handing", "zerobridge.engine.streams", "zerobridge.engine.reducing",
-    "zerobridge.testing.streams",
-])
-def test_module_examples_run(name: str, solo_group: None) -> None:
-    result = doctest.testmod(importlib.import_module(name))
-    assert result.attempted > 0 and result.failed == 0

@@ -694,16 +694,6 @@ def test_any_spec_writes_readably_and_flags_what_changed(spec: StrategySpec, fmt
 # ----------------------------------------------------------------- live objects, no process group
 
 
-def test_live_builder_examples_run() -> None:
-    """The builders moved to zerobridge.backends.fsdp.kwargs; its examples must stay true."""
-    import doctest
-
-    import zerobridge.backends.fsdp.kwargs as module
-
-    result = doctest.testmod(module)
-    assert result.failed == 0 and result.attempted > 0
-
-
 def tiny_model() -> Any:
     from torch import nn
 

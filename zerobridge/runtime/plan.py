@@ -3,7 +3,8 @@
     >>> from zerobridge.runtime.plan import plan_run
     >>> from zerobridge.spec import BatchSpec, PrecisionSpec, StrategySpec
     >>> plan = plan_run(StrategySpec(precision=PrecisionSpec(param_dtype="bf16"),
-    ...                              batch=BatchSpec(micro_batch_size=2, global_batch_size=16)), world_size=4)
+    ...                              batch=BatchSpec(micro_batch_size=2, global_batch_size=16,
+    ...                                            accumulation_steps="auto")), world_size=4)
     >>> plan.compute_dtype, plan.master_dtype, plan.accumulation_steps, plan.gradient_divisor
     (torch.bfloat16, torch.float32, 2, 8.0)
 

@@ -4,7 +4,7 @@
     >>> from zerobridge.runtime.step_rules import apply_clip, norm_part
     >>> grads = [torch.full((4,), 3.0), torch.full((4,), 4.0)]
     >>> part = norm_part(grads, 2.0, torch.device("cpu"))        # this rank's sum of squares (float64)
-    >>> float(apply_clip(grads, part, max_norm=5.0, norm_type=2.0)), float(grads[0][0])
+    >>> float(apply_clip(grads, part, max_norm=5.0, norm_type=2.0)), round(float(grads[0][0]), 4)
     (10.0, 1.5)
 
 A global gradient norm is assembled from each rank's ``norm_part`` (summed

@@ -6,7 +6,7 @@ size, and ``resolve_global_batch`` the rest; ``accumulation_for`` gives the
 accumulation steps every backend runs at a world size.
 
     >>> from zerobridge.spec import BatchSpec
-    >>> BatchSpec(micro_batch_size=2, global_batch_size=16).accumulation_for(4)
+    >>> BatchSpec(micro_batch_size=2, global_batch_size=16, accumulation_steps="auto").accumulation_for(4)
     2
     >>> BatchSpec().accumulation_for(4)
     1
