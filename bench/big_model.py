@@ -144,7 +144,7 @@ def main() -> int:
         DOC.write_text(splice(DOC.read_text(), table(json.loads(RESULTS.read_text()))))
         return 0
     from zerobridge.models.tiny_gpt import GPTConfig, count_params
-    from zerobridge.testing.cluster import Cluster, RankError
+    from zerobridge.harness.cluster import Cluster, RankError
 
     config = {"vocab_size": args.vocab, "block_size": args.block, "n_layer": args.layers, "n_head": args.heads,
               "n_embd": args.embd}

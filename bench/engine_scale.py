@@ -40,7 +40,7 @@ MODULES = (64, 128, 256)
 
 
 def measure() -> dict[str, Any]:
-    from zerobridge.testing.cluster import Cluster
+    from zerobridge.harness.cluster import Cluster
     from zerobridge.testing.many_units import PER_BLOCK
 
     out: dict[str, Any] = {"lora": {}, "units": []}

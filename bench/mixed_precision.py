@@ -61,7 +61,7 @@ def measure(preset: str, steps: int) -> dict[str, Any]:
     """Every spec on the native engine, the FSDP-layout bf16 spec on FSDP2 too, in one 2-rank group."""
     from zerobridge.explain import explain
     from zerobridge.load import load_spec
-    from zerobridge.testing.cluster import Cluster
+    from zerobridge.harness.cluster import Cluster
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder, Cluster(2, timeout_s=1800) as cluster:

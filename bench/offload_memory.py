@@ -99,7 +99,7 @@ def measure(*, config: dict[str, Any], nvme_path: str, steps: int, seq_len: int,
 
 
 def run(names: list[str], *, steps: int, seq_len: int, sub_group_size: int, nvme_root: str) -> list[dict[str, Any]]:
-    from zerobridge.testing.cluster import Cluster
+    from zerobridge.harness.cluster import Cluster
 
     rows = []
     for name in names:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
-
 from conftest import corpus_files
+
 from zerobridge.errors import ConfigError
 from zerobridge.load import load_spec
 from zerobridge.registry import strategies

@@ -26,14 +26,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO
 
 import zerobridge
-from conftest import REPO
 from zerobridge.backends.base import backend_of
 from zerobridge.backends.deepspeed.config import SCHEDULING
 from zerobridge.errors import ConfigError
+from zerobridge.harness.cluster import Cluster
 from zerobridge.spec import DType, StrategySpec
-from zerobridge.testing.cluster import Cluster
 from zerobridge.testing.deepspeed_run import BufferedParityNet
 from zerobridge.testing.parity import ParityNet, batch, make_optimizer, run_reference
 from zerobridge.testing.resume import train_steps

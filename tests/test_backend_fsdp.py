@@ -21,14 +21,20 @@ import pytest
 import torch
 from torch import nn
 
-from zerobridge.spec.presets import spec_for_stage
 from zerobridge.backends.fsdp.apply import plan_units
 from zerobridge.backends.fsdp.assess import assess
-from zerobridge.spec import (
-    DynamicLossScale, EveryModuleWrap, OffloadSpec, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap,
-)
 from zerobridge.errors import ConfigError
-from zerobridge.testing.cluster import Cluster
+from zerobridge.harness.cluster import Cluster
+from zerobridge.spec import (
+    DynamicLossScale,
+    EveryModuleWrap,
+    OffloadSpec,
+    PrecisionSpec,
+    ShardingSpec,
+    StrategySpec,
+    TransformerWrap,
+)
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing.fsdp_run import BackendRun
 from zerobridge.testing.parity import ParityNet, RunResult, run_reference
 

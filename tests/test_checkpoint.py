@@ -310,7 +310,7 @@ def die_during_save(path: str, where: str) -> None:
 
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[Any]:
-    from zerobridge.testing.cluster import Cluster
+    from zerobridge.harness.cluster import Cluster
 
     with Cluster(1, timeout_s=120) as cluster:
         yield cluster
@@ -319,7 +319,7 @@ def one_rank() -> Iterator[Any]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("where", ["write", "swap"])
 def test_a_kill_during_save_leaves_the_previous_checkpoint(one_rank: Any, tmp_path: Path, where: str) -> None:
-    from zerobridge.testing.cluster import RankError
+    from zerobridge.harness.cluster import RankError
 
     path = tmp_path / "ckpt"
     full = one_rank.run(f"{ME}:save_steps", path=str(path), steps=2)[0]

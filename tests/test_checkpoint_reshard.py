@@ -23,8 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from zerobridge.harness.cluster import Cluster, RankError
+from zerobridge.harness.cluster import clusters as cluster_set
 from zerobridge.spec import PrecisionSpec, ShardingSpec, StrategySpec
-from zerobridge.testing.cluster import Cluster, RankError, clusters as cluster_set
 from zerobridge.testing.parity import ParityNet, batch, make_optimizer, run_reference
 from zerobridge.testing.resume import GLOBAL_BATCH, clip_native, native, train_steps
 

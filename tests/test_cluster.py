@@ -1,4 +1,4 @@
-"""zerobridge.testing.cluster: one spawned process group serving many runs."""
+"""zerobridge.harness.cluster: one spawned process group serving many runs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from zerobridge.testing.cluster import Cluster, RankError
+from zerobridge.harness.cluster import Cluster, RankError
 
-PROBES = "zerobridge.testing.probes"
+PROBES = "zerobridge.harness.probes"
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_system_exit_and_unpicklable_results_are_failures(solo: Cluster) -> None
 def test_bad_target_is_rejected_without_breaking_the_cluster(solo: Cluster) -> None:
     pids = solo.pids
     with pytest.raises(ValueError, match="package.module:function"):
-        solo.run("zerobridge.testing.probes.rank_info")
+        solo.run("zerobridge.harness.probes.rank_info")
     assert solo.pids == pids
     with pytest.raises(RankError, match="ModuleNotFoundError"):
         solo.run("zerobridge.no_such_module:f")

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from zerobridge.spec.presets import spec_for_stage
 from zerobridge.cli import main
 from zerobridge.compare import Comparison, Planned, RunOutcome, Skipped, plan
 from zerobridge.compare.report import relative
 from zerobridge.errors import ConfigError
+from zerobridge.spec.presets import spec_for_stage
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

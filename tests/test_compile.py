@@ -22,11 +22,18 @@ from torch import nn
 
 import zerobridge
 from zerobridge.errors import ConfigError
+from zerobridge.harness.cluster import Cluster
+from zerobridge.harness.cluster import clusters as cluster_set
 from zerobridge.spec import (
-    CheckpointSpec, CompileScope, CompileSpec, DynamicLossScale, PrecisionSpec, ShardingSpec, StrategySpec,
+    CheckpointSpec,
+    CompileScope,
+    CompileSpec,
+    DynamicLossScale,
+    PrecisionSpec,
+    ShardingSpec,
+    StrategySpec,
     TransformerWrap,
 )
-from zerobridge.testing.cluster import Cluster, clusters as cluster_set
 from zerobridge.testing.parity import RunResult, run_reference
 
 pytestmark = pytest.mark.distributed

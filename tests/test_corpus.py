@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import corpus_files, in_original_layout
+
 from zerobridge.cli import main
 from zerobridge.load import load_spec
 from zerobridge.translate.formats import TARGETS, YAML_TARGETS

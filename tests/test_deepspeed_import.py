@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from zerobridge.checkpoint.deepspeed_import import read_deepspeed
 from zerobridge.errors import ConfigError
-from zerobridge.testing.cluster import Cluster
+from zerobridge.harness.cluster import Cluster
 from zerobridge.testing.deepspeed_run import AdamWReference, DeepSpeedRun, reference_adamw
 from zerobridge.testing.parity import ParityNet, run_reference
 from zerobridge.translate.report import Status

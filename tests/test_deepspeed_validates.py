@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import corpus_files
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import corpus_files
 from zerobridge.registry import strategies
 from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.deepspeed_write import write_deepspeed

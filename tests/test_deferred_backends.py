@@ -19,13 +19,12 @@ from unittest import mock
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from zerobridge.backends.deepspeed.materialize import Partitioner
-from zerobridge.spec import (
-    OffloadSpec, PrecisionSpec, RootWrap, ShardingSpec, StrategySpec, TransformerWrap,
-)
-from zerobridge.testing.cluster import Cluster, clusters as cluster_set
+from zerobridge.harness.cluster import Cluster
+from zerobridge.harness.cluster import clusters as cluster_set
+from zerobridge.spec import OffloadSpec, PrecisionSpec, RootWrap, ShardingSpec, StrategySpec, TransformerWrap
 from zerobridge.testing.deferred import eager_state
 
 META = "zerobridge.testing.deferred:meta_state"

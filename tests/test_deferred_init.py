@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from zerobridge.errors import ConfigError
+from zerobridge.harness.cluster import Cluster, RankError
+from zerobridge.harness.cluster import clusters as cluster_set
 from zerobridge.runtime.deferred_init import Replay, is_meta_model, plan_ops
 from zerobridge.spec import OffloadSpec, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
-from zerobridge.testing.cluster import Cluster, RankError, clusters as cluster_set
 from zerobridge.testing.deferred import eager_state, meta_state
 
 META = "zerobridge.testing.deferred:meta_state"

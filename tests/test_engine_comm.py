@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from zerobridge.harness.cluster import Cluster
+from zerobridge.harness.cluster import clusters as cluster_set
 from zerobridge.spec import CommunicationSpec, ShardingSpec, StrategySpec, TransformerWrap
-from zerobridge.testing.cluster import Cluster, clusters as cluster_set
 from zerobridge.testing.measure import formula_bytes
 
 pytestmark = pytest.mark.distributed

@@ -11,11 +11,19 @@ from typing import Any
 import pytest
 import torch
 
+from zerobridge.harness.cluster import Cluster, RankError
 from zerobridge.spec import (
-    BackwardPrefetch, CheckpointSpec, CommunicationSpec, DynamicLossScale, EveryModuleWrap, PrecisionSpec,
-    ShardingSpec, SizeWrap, StrategySpec, TransformerWrap,
+    BackwardPrefetch,
+    CheckpointSpec,
+    CommunicationSpec,
+    DynamicLossScale,
+    EveryModuleWrap,
+    PrecisionSpec,
+    ShardingSpec,
+    SizeWrap,
+    StrategySpec,
+    TransformerWrap,
 )
-from zerobridge.testing.cluster import Cluster, RankError
 from zerobridge.testing.gpt import reference_gpt
 from zerobridge.testing.parity import RunResult, run_reference
 

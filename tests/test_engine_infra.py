@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from zerobridge.engine import collectives
-from zerobridge.testing.cluster import Cluster, clusters as cluster_set
+from zerobridge.harness.cluster import Cluster
+from zerobridge.harness.cluster import clusters as cluster_set
 from zerobridge.testing.parity import run_native, run_reference
 
 ME = "tests.test_engine_infra"

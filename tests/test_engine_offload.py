@@ -29,11 +29,18 @@ from zerobridge.engine.offload import PREFIX, SwapSpace, check_offload, remove_s
 from zerobridge.engine.plan import check_runnable, plan_engine
 from zerobridge.engine.swap import tiles
 from zerobridge.errors import ConfigError
+from zerobridge.harness.cluster import Cluster
 from zerobridge.spec import (
-    BatchSpec, CommunicationSpec, DynamicLossScale, EveryModuleWrap, OffloadSpec, PrecisionSpec, ShardingSpec,
-    StrategySpec, TransformerWrap,
+    BatchSpec,
+    CommunicationSpec,
+    DynamicLossScale,
+    EveryModuleWrap,
+    OffloadSpec,
+    PrecisionSpec,
+    ShardingSpec,
+    StrategySpec,
+    TransformerWrap,
 )
-from zerobridge.testing.cluster import Cluster
 from zerobridge.testing.parity import ParityNet, RunResult
 
 NATIVE = "zerobridge.testing.parity:run_native"

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
+from zerobridge.harness.cluster import Cluster
+from zerobridge.harness.cluster import clusters as cluster_set
 from zerobridge.spec import ShardingSpec, StrategySpec
-from zerobridge.testing.cluster import Cluster, clusters as cluster_set
 from zerobridge.testing.parity import RunResult, run_reference
 
 pytestmark = pytest.mark.distributed

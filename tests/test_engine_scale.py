@@ -15,10 +15,15 @@ import torch
 from torch import nn
 
 import zerobridge
+from zerobridge.harness.cluster import Cluster
 from zerobridge.spec import (
-    CommunicationSpec, DynamicLossScale, EveryModuleWrap, PrecisionSpec, ShardingSpec, StrategySpec,
+    CommunicationSpec,
+    DynamicLossScale,
+    EveryModuleWrap,
+    PrecisionSpec,
+    ShardingSpec,
+    StrategySpec,
 )
-from zerobridge.testing.cluster import Cluster
 from zerobridge.testing.lora import run_lora_reference
 
 LORA = "zerobridge.testing.lora:run_lora"

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from zerobridge.spec.presets import spec_for_stage
 from zerobridge.engine.offload import HostRegion
+from zerobridge.harness.cluster import Cluster, clusters
 from zerobridge.spec import ShardingSpec, StrategySpec
-from zerobridge.testing.cluster import Cluster, clusters
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing.parity import ParityNet
 
 RUN = "zerobridge.testing.streams:run_recorded"

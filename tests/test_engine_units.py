@@ -3,22 +3,28 @@ collective accounting; plus prepare's refusals, which happen before any group.""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from zerobridge.runtime.comm_stats import CommStats, bus_bytes
 from zerobridge.engine.layout import plan_layout
-from zerobridge.runtime.loss_scale import LossScaler
 from zerobridge.engine.mesh import layout_ranks
 from zerobridge.engine.plan import plan_engine
-from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
 from zerobridge.errors import ConfigError
+from zerobridge.runtime.comm_stats import CommStats, bus_bytes
+from zerobridge.runtime.loss_scale import LossScaler
+from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
 from zerobridge.spec import (
-    BatchSpec, DynamicLossScale, EveryModuleWrap, OffloadSpec, PrecisionSpec, ShardingSpec, SizeWrap, StrategySpec,
+    BatchSpec,
+    DynamicLossScale,
+    EveryModuleWrap,
+    OffloadSpec,
+    PrecisionSpec,
+    ShardingSpec,
+    SizeWrap,
+    StrategySpec,
     TransformerWrap,
 )
 from zerobridge.testing.parity import ParityNet

@@ -12,11 +12,11 @@ import pytest
 
 import zerobridge.launch as launch_module
 from zerobridge.cli import _parser, main
-from zerobridge.errors import ConfigError
 from zerobridge.env import BACKEND as ENV_BACKEND
 from zerobridge.env import COMPILE as ENV_COMPILE
 from zerobridge.env import CONFIG as ENV_CONFIG
 from zerobridge.env import choice_from_env, decode_choice, encode_choice
+from zerobridge.errors import ConfigError
 from zerobridge.launch import launch_env, torchrun_command
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

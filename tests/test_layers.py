@@ -85,8 +85,9 @@ def edges(source: str, path: Path, known: dict[str, Path]) -> tuple[list[Edge], 
     found: list[Edge] = []
     external: list[str] = []
 
-    def comment(line: int) -> str:
-        for text_line in (lines[line - 1], lines[line - 2] if line > 1 else ""):
+    def comment(node: ast.AST) -> str:
+        first, last = node.lineno, getattr(node, "end_lineno", None) or node.lineno  # type: ignore[attr-defined]
+        for text_line in [*lines[first - 1:last], lines[first - 2] if first > 1 else ""]:
             if "#" in text_line:
                 return text_line.split("#", 1)[1].strip()
         return ""
@@ -98,7 +99,7 @@ def edges(source: str, path: Path, known: dict[str, Path]) -> tuple[list[Edge], 
         target = _resolve(name, known)
         if target is not None and target != source:
             found.append(Edge(source, target, node.lineno, where or _where(node, parents),  # type: ignore[attr-defined]
-                              comment(node.lineno)))  # type: ignore[attr-defined]
+                              comment(node)))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -323,6 +324,7 @@ FIXTURE_LAYERS = [["zerobridge.spec"], ["zerobridge.engine", "zerobridge.checkpo
 
 
 def _check(tmp_path: Path, files: dict[str, str], independent: set[int] | None = None) -> list[str]:
+    tmp_path = tmp_path / f"tree{len(list(tmp_path.iterdir()))}"  # a fresh tree per check
     _INDEPENDENT.clear()
     _INDEPENDENT.update(independent or set())
     try:

@@ -21,10 +21,11 @@ from torch import nn
 
 import zerobridge
 from zerobridge.errors import ConfigError
+from zerobridge.harness.cluster import Cluster, RankError
+from zerobridge.harness.cluster import clusters as cluster_set
 from zerobridge.pretrained.files import open_weights
 from zerobridge.pretrained.load import match_names
 from zerobridge.spec import PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
-from zerobridge.testing.cluster import Cluster, RankError, clusters as cluster_set
 from zerobridge.testing.deferred import BUILDERS, eager_state
 
 LOAD = "zerobridge.testing.deferred:load_state"

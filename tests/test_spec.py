@@ -6,7 +6,14 @@ import pytest
 from pydantic import ValidationError
 
 from zerobridge.spec import (
-    STAGE_SHARDS, BatchSpec, DType, ParamSharding, PrecisionSpec, ShardingSpec, Stage, StrategySpec,
+    STAGE_SHARDS,
+    BatchSpec,
+    DType,
+    ParamSharding,
+    PrecisionSpec,
+    ShardingSpec,
+    Stage,
+    StrategySpec,
 )
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-
 from conftest import corpus_files
+
 from zerobridge.cli import main
 from zerobridge.errors import ConfigError
 from zerobridge.spec import ShardingSpec, StrategySpec

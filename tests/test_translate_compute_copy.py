@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import corpus_dir, corpus_files, in_original_layout
+
 from zerobridge.load import load_spec
 from zerobridge.spec import ShardingSpec, StrategySpec
 from zerobridge.translate.accelerate_read import read_accelerate

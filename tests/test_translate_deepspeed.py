@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import corpus_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,6 @@ from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.report import Status
-from conftest import corpus_files
 from zerobridge.translate.sources import Located, parse_json
 from zerobridge.translate.sources import read_text as read_file_text
 

@@ -14,12 +14,23 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from zerobridge.backends.fsdp.kwargs import fsdp2_units, to_fsdp1_kwargs, to_fsdp2_kwargs
 from zerobridge.errors import ConfigError
 from zerobridge.spec import (
-    BackwardPrefetch, CheckpointFormat, DynamicLossScale, EveryModuleWrap, GradSync, OffloadDevice,
-    ParamSharding, RootWrap, ShardingSpec, SizeWrap, StaticLossScale, StrategySpec, TransformerWrap,
+    BackwardPrefetch,
+    CheckpointFormat,
+    DynamicLossScale,
+    EveryModuleWrap,
+    GradSync,
+    OffloadDevice,
+    ParamSharding,
+    RootWrap,
+    ShardingSpec,
+    SizeWrap,
+    StaticLossScale,
+    StrategySpec,
+    TransformerWrap,
 )
-from zerobridge.backends.fsdp.kwargs import fsdp2_units, to_fsdp1_kwargs, to_fsdp2_kwargs
 from zerobridge.translate.fsdp1 import read_fsdp1, write_fsdp1
 from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
 from zerobridge.translate.report import Report, Status

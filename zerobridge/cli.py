@@ -27,10 +27,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zerobridge._version import __version__
 from pydantic import ValidationError
 
+from zerobridge._version import __version__
+from zerobridge.checkpoint.cli import add_parser as add_checkpoint_parser
+from zerobridge.checkpoint.cli import run as run_checkpoint
+from zerobridge.checkpoint.storage import atomic_write_file
+from zerobridge.compare.cli import add_parser as add_compare_parser
+from zerobridge.compare.cli import run as run_compare
+from zerobridge.demo import run_demo
+from zerobridge.diff import diff_specs
 from zerobridge.errors import ConfigError
+from zerobridge.explain import explain
+from zerobridge.launch import add_run_arguments, launch
+from zerobridge.load import load_spec
+from zerobridge.registry import strategies
+from zerobridge.translate.formats import SOURCES, TARGETS, YAML_TARGETS, for_world_size, write
 from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report
 
@@ -48,8 +60,6 @@ def _number(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerobridge.translate.formats import SOURCES, TARGETS
-
     p = argparse.ArgumentParser(prog="zerobridge", description="One partitioning spec for DeepSpeed ZeRO and FSDP.")
     p.add_argument("--version", action="version", version=f"zerobridge {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -83,11 +93,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
 
     sub.add_parser("demo", help="a strategy explained, converted to FSDP2 and read back (no training)")
-
-    from zerobridge.checkpoint.cli import add_parser as add_checkpoint_parser
-    from zerobridge.compare.cli import add_parser as add_compare_parser
-    from zerobridge.launch import add_run_arguments
-
     add_run_arguments(sub.add_parser(
         "run", allow_abbrev=False, help="launch a training script with torchrun and a chosen strategy",
         description="Run a training script under torch.distributed.run. Options before the script are "
@@ -121,14 +126,10 @@ def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
         return
-    from zerobridge.checkpoint.storage import atomic_write_file
-
     atomic_write_file(output, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _render(value: Any, target: str) -> str:
-    from zerobridge.translate.formats import YAML_TARGETS
-
     if target in YAML_TARGETS:
         import yaml
 
@@ -137,9 +138,6 @@ def _render(value: Any, target: str) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from zerobridge.load import load_spec
-    from zerobridge.translate.formats import for_world_size, write
-
     read = load_spec(args.source, fmt=args.fmt)
     spec = read.value if args.world_size is None else for_world_size(read.value, args.world_size)
     written = write(spec, args.to)
@@ -156,9 +154,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from zerobridge.explain import explain
-    from zerobridge.load import load_spec
-
     read = load_spec(args.source, fmt=args.fmt)
     result = explain(read.value, params=args.params, world_size=args.world_size,
                      local_world_size=args.local_world_size, optimizer=args.optimizer)
@@ -168,9 +163,6 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from zerobridge.diff import diff_specs
-    from zerobridge.load import load_spec
-
     a, b = load_spec(args.a), load_spec(args.b)
     result = diff_specs(a.value, b.value)
     if args.json:
@@ -181,8 +173,6 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _strategies(args: argparse.Namespace) -> int:
-    from zerobridge.registry import strategies
-
     entries = strategies()
     if args.json:
         print(json.dumps([{"name": s.name, "aliases": list(s.aliases), "title": s.title,
@@ -196,27 +186,19 @@ def _strategies(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from zerobridge.demo import run_demo
-
     return run_demo()
 
 
 def _run(args: argparse.Namespace) -> int:
-    from zerobridge.launch import launch
-
     return launch(args)
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from zerobridge.compare.cli import run
-
-    return run(args)
+    return run_compare(args)
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from zerobridge.checkpoint.cli import run
-
-    return run(args)
+    return run_checkpoint(args)
 
 
 _COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo,

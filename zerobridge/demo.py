@@ -12,6 +12,7 @@ import json
 from zerobridge.diff import diff_specs
 from zerobridge.explain import explain
 from zerobridge.registry import resolve
+from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.formats import write
 from zerobridge.translate.sources import Located
 
@@ -28,7 +29,6 @@ def run_demo() -> int:
     print(json.dumps(fsdp2.value, indent=2))
     print(fsdp2.report.render())
     print("\n== DeepSpeed JSON -> spec -> DeepSpeed JSON -> spec")
-    from zerobridge.translate.deepspeed_read import read_deepspeed
 
     ds = write(spec, "deepspeed").value
     back = read_deepspeed(Located(ds, "<demo>")).value.model_copy(update={"name": spec.name})

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from zerobridge.registry import ACCELERATE_CODES, strategies
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.mapping import load_table, table_names
 
@@ -144,7 +145,6 @@ def _named_strategies(fmt: str) -> list[str]:
 
 def render_strategies() -> str:
     """docs/strategies.md: the registry catalogue with each entry's spec summary."""
-    from zerobridge.registry import ACCELERATE_CODES, strategies
 
     out = [HEADER, "# Strategy registry\n\n",
            "Each entry lives in `strategies/<name>.toml`, stated in its own flavor's terms and read through that "

@@ -18,11 +18,12 @@ FSDP sharding-strategy codes 1-5.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from zerobridge.errors import ConfigError, closest
 from zerobridge.resources import data_dir

@@ -19,13 +19,11 @@ a backend refuses is reported (or listed as skipped) with the same message
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from zerobridge.backends.deepspeed.config import launch_problems, refusal
+from zerobridge.backends.fsdp.assess import CLOSEST_STAGE, assess, refuse
 from zerobridge.errors import ConfigError
-
-if TYPE_CHECKING:
-    from zerobridge.spec import StrategySpec
-    from zerobridge.translate.report import Entry
+from zerobridge.spec import StrategySpec
+from zerobridge.translate.report import Entry
 
 __all__ = ["formula_stage", "preflight"]
 
@@ -54,14 +52,13 @@ def formula_stage(backend: str, spec: StrategySpec, approximations: list[Entry])
     ``backend`` runs for ``spec`` with ``approximations`` (``preflight``'s answer), when
     that is FSDP2's form of ZeRO-1 or ZeRO-2 sharding; None otherwise (the spec's own)."""
     if backend == "fsdp" and any(e.key == "sharding" for e in approximations):
-        from zerobridge.backends.fsdp.assess import CLOSEST_STAGE
 
         return CLOSEST_STAGE.get(spec.sharding.stage.value)
     return None
 
 
 def _native(spec: StrategySpec, world_size: int | None, local_world_size: int | None) -> None:
-    from zerobridge.engine.plan import check_runnable  # loads torch: only when the native engine is asked
+    from zerobridge.engine.plan import check_runnable  # lazy: loads torch, only for the native engine
 
     check_runnable(spec, world_size=world_size, local_world_size=local_world_size)
 
@@ -70,7 +67,6 @@ def _fsdp(spec: StrategySpec, world_size: int | None, local_world_size: int | No
           allow_approximate: bool) -> list[Entry]:
     if world_size is None:
         return []
-    from zerobridge.backends.fsdp.assess import assess, refuse
 
     found = assess(spec, world_size=world_size, local_world_size=local_world_size or world_size).approximations
     if not allow_approximate:
@@ -79,8 +75,6 @@ def _fsdp(spec: StrategySpec, world_size: int | None, local_world_size: int | No
 
 
 def _deepspeed(spec: StrategySpec, world_size: int | None, allow_approximate: bool) -> list[Entry]:
-    from zerobridge.backends.deepspeed.config import launch_problems, refusal
-
     error, found = launch_problems(spec, world_size=world_size)
     if error is not None:
         raise error

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerobridge.checkpoint.storage import CheckpointError
+
 __all__ = ["ACTIONS", "Action", "add_parser", "run"]
 
 
@@ -47,9 +49,9 @@ def _human(n: int) -> str:
 
 def describe(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds, read from its metadata and small items only."""
-    from zerobridge.checkpoint.metadata import LAYOUT_KEY, user_metadata
-    from zerobridge.checkpoint.reader import open_checkpoint
-    from zerobridge.checkpoint.matching import group_keys, state_keys
+    from zerobridge.checkpoint.matching import group_keys, state_keys  # lazy: loads torch
+    from zerobridge.checkpoint.metadata import LAYOUT_KEY, user_metadata  # lazy: loads torch
+    from zerobridge.checkpoint.reader import open_checkpoint  # lazy: loads torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unverified case is reported below instead
@@ -133,7 +135,7 @@ def _consolidate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from zerobridge.checkpoint.full import DTYPES, consolidate
+    from zerobridge.checkpoint.full import DTYPES, consolidate  # lazy: loads torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -150,8 +152,8 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _import_deepspeed(args: argparse.Namespace) -> int:
-    from zerobridge.checkpoint.deepspeed_import import read_deepspeed
-    from zerobridge.checkpoint.portable import write_portable
+    from zerobridge.checkpoint.deepspeed_import import read_deepspeed  # lazy: loads torch
+    from zerobridge.checkpoint.portable import write_portable  # lazy: loads torch
 
     state, report = read_deepspeed(args.directory, args.tag)
     path = write_portable(args.output, state)
@@ -186,7 +188,6 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action; file-system errors become clear ``CheckpointError``s (exit 2)."""
-    from zerobridge.checkpoint.storage import CheckpointError
 
     try:
         return ACTIONS[args.checkpoint_action].run(args)

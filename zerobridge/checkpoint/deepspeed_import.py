@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from zerobridge.checkpoint.portable import PortableState
 from zerobridge.errors import ConfigError
 from zerobridge.translate.report import Entry, Report, Status
 
@@ -336,7 +337,6 @@ def read_deepspeed(directory: str | Path, tag: str | None = None) -> tuple[Porta
     ``directory`` is the ``save_checkpoint`` directory (its ``latest`` file
     names the tag unless ``tag`` is given) or one ``global_stepN`` directory.
     """
-    from zerobridge.checkpoint.portable import PortableState
 
     tag_dir, tag = _tag_dir(Path(directory), tag)
     files = _open(tag_dir)

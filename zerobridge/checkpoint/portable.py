@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from zerobridge.checkpoint.layout import model_key, optim_state_key, param_group_key, whole
 from zerobridge.checkpoint.matching import group_keys, state_keys
 from zerobridge.checkpoint.metadata import LAYOUT_KEY, METADATA_KEY, metadata_json, user_metadata
-from zerobridge.checkpoint.layout import model_key, optim_state_key, param_group_key, whole
 from zerobridge.checkpoint.reader import Checkpoint, open_checkpoint
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint

@@ -34,14 +34,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from zerobridge.checkpoint.layout import Box, intersect, whole
 from zerobridge.checkpoint.storage import (
-    MANIFEST, METADATA_FILE, CheckpointError, checkpoint_kind, read_manifest, recover, verify_files,
+    MANIFEST,
+    METADATA_FILE,
+    CheckpointError,
+    checkpoint_kind,
+    read_manifest,
+    recover,
+    verify_files,
 )
 from zerobridge.checkpoint.unpickle import decode_bytes, read_metadata
 from zerobridge.distributed import host_world

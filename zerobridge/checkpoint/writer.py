@@ -44,7 +44,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zerobridge.checkpoint.layout import Box, key_path
 from zerobridge.checkpoint.storage import (
-    METADATA_FILE, CheckpointError, digest_files, recover, saving_dir, swap_into_place, write_manifest,
+    METADATA_FILE,
+    CheckpointError,
+    digest_files,
+    recover,
+    saving_dir,
+    swap_into_place,
+    write_manifest,
 )
 from zerobridge.distributed import group_timeout, host_world
 

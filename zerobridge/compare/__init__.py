@@ -29,15 +29,24 @@ from typing import Any
 __all__ = ["Comparison", "Divergence", "Plan", "Planned", "RunOutcome", "Skipped", "Workload", "adamw", "compare",
            "plan", "run_plan", "tiny_gpt_workload"]
 
-# Names load on first use: the ``zerobridge`` command registers ``compare`` without importing torch.
-_LAZY = {"Plan": "api", "compare": "api", "plan": "api", "run_plan": "api", "Comparison": "report",
-         "Divergence": "report", "Planned": "runner", "RunOutcome": "runner", "Skipped": "runner",
-         "Workload": "workload", "adamw": "workload", "tiny_gpt_workload": "workload"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    # Names load on first use: the ``zerobridge`` command registers ``compare`` without importing torch.
+    if name in ("Plan", "compare", "plan", "run_plan"):
+        from zerobridge.compare import api  # lazy: loads torch
 
-        return getattr(importlib.import_module(f"zerobridge.compare.{_LAZY[name]}"), name)
+        return getattr(api, name)
+    if name in ("Comparison", "Divergence"):
+        from zerobridge.compare import report  # lazy: loads torch
+
+        return getattr(report, name)
+    if name in ("Planned", "RunOutcome", "Skipped"):
+        from zerobridge.compare import runner  # lazy: loads torch
+
+        return getattr(runner, name)
+    if name in ("Workload", "adamw", "tiny_gpt_workload"):
+        from zerobridge.compare import workload  # lazy: loads torch
+
+        return getattr(workload, name)
     raise AttributeError(f"module 'zerobridge.compare' has no attribute {name!r}")

@@ -17,13 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerobridge.env import BACKENDS
-from zerobridge.compare.report import Comparison
+from zerobridge.compare.report import Comparison, compute_dtype, relative
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
 from zerobridge.compare.tolerance import LOSS_FLOOR, NORM_FLOOR, calibrated
 from zerobridge.compare.workload import BUILTIN, resolve_model
+from zerobridge.env import BACKENDS
 from zerobridge.errors import ConfigError
-from zerobridge.spec import ShardingSpec
+from zerobridge.explain import explain
+from zerobridge.spec import ShardingSpec, StrategySpec
 
 __all__ = ["Plan", "compare", "plan", "run_plan"]
 
@@ -107,8 +108,6 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
 
 
 def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
-    from zerobridge.explain import explain
-
     if optimizer is None:
         return
     spec, stage = outcome.planned.spec, outcome.planned.formula_stage
@@ -158,8 +157,6 @@ def run_plan(planned: Plan, *, clip: float | None = 1.0, timeout_s: float = 900.
 def _calibrate(planned: Plan, comparison: Comparison, *, clip: float | None, timeout_s: float) -> None:
     """For each 16-bit compute dtype run: its first finished run's spec once more in one process
     (stage 0: every reduction in another order); its drift from that run sets the bounds."""
-    from zerobridge.compare.report import compute_dtype, relative
-    from zerobridge.spec import StrategySpec
 
     for dtype in ("bf16", "fp16"):
         first = next((r for r in comparison.runs if r.error is None and compute_dtype(r.planned.spec) == dtype), None)

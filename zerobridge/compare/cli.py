@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerobridge.env import BACKENDS
 from zerobridge.checkpoint.storage import atomic_write_file
+from zerobridge.env import BACKENDS
 from zerobridge.errors import ConfigError
 
 if TYPE_CHECKING:  # registering the subcommand stays torch-free
@@ -97,13 +97,13 @@ def _progress(index: int, total: int, outcome: RunOutcome) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``zerobridge compare``; the exit code."""
-    from zerobridge.compare.api import plan, run_plan
+    from zerobridge.compare.api import plan, run_plan  # lazy: loads torch; `zerobridge --help` does not
 
     for flag in ("json", "markdown", "plot"):
         if getattr(args, flag) is not None:
             _writable(getattr(args, flag), f"--{flag}")
     if args.plot is not None:
-        from zerobridge.compare.plot import require_matplotlib
+        from zerobridge.compare.plot import require_matplotlib  # lazy: loads matplotlib, only for --plot
 
         require_matplotlib(args.plot)
     if args.clip < 0:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown is not None:
         _write(args.markdown, result.markdown())
     if args.plot is not None:
-        from zerobridge.compare.plot import write_plot
+        from zerobridge.compare.plot import write_plot  # lazy: loads matplotlib, only for --plot
 
         write_plot(result, args.plot)
     return 0 if result.ok else 1

@@ -29,9 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from zerobridge.backends.preflight import formula_stage, preflight
 from zerobridge.compare.worker import RankRecord
 from zerobridge.errors import ConfigError
+from zerobridge.harness.cluster import Cluster
+from zerobridge.load import load_spec
 from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import spec_for_stage
 
 __all__ = ["Planned", "RunOutcome", "Skipped", "after_warmup", "execute", "plan_runs"]
 
@@ -117,9 +121,6 @@ def after_warmup(per_step: Sequence[_T]) -> Sequence[_T]:
 
 def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: bool = False
               ) -> list[tuple[str, StrategySpec, bool]]:
-    from zerobridge.load import load_spec
-    from zerobridge.spec.presets import spec_for_stage
-
     def compiled(spec: StrategySpec) -> StrategySpec:
         return spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": True})}) \
             if compile else spec
@@ -140,7 +141,6 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
     """Every stage and config on every backend, grouped by spec in the order given; what a
     backend cannot express at ``world_size`` is skipped with the reason. A config that does
     not load raises ``ConfigError``. ``compile``: every spec with ``compile.enabled``."""
-    from zerobridge.backends.preflight import formula_stage, preflight
 
     runs: list[Planned] = []
     skipped: list[Skipped] = []
@@ -212,7 +212,6 @@ def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, se
 
     import torch
 
-    from zerobridge.testing.cluster import Cluster
 
     group = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     logs = Path(tempfile.mkdtemp(prefix="zerobridge-compare-"))

@@ -33,6 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerobridge import api
+from zerobridge.compare.memory import live_by_role
+from zerobridge.compare.workload import resolve_model
+from zerobridge.distributed import run_device
+from zerobridge.models import shard
+
 __all__ = ["RankRecord", "peak_rss_bytes", "reset_peak_rss", "rss_bytes", "train"]
 
 
@@ -141,11 +147,6 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
            steps: int, seed: int, clip: float | None, allow_approximate: bool) -> RankRecord:
     """Train ``steps`` steps of ``model`` (a ``--model`` reference) on ``backend``; ``choice`` is
     ``{"stage": N}`` or ``{"config": spec}``, passed on to ``zerobridge.prepare``."""
-    import zerobridge
-    from zerobridge.compare.memory import live_by_role
-    from zerobridge.compare.workload import resolve_model
-    from zerobridge.models import shard
-    from zerobridge.distributed import run_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     record = RankRecord(baseline_rss_bytes=rss_bytes())
@@ -154,7 +155,7 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
     device = run_device()
     net = work.model.to(device)
     optimizer = work.optimizer(net)
-    net, optimizer = zerobridge.prepare(net, optimizer, **choice, backend=backend,
+    net, optimizer = api.prepare(net, optimizer, **choice, backend=backend,
                                         allow_approximate=allow_approximate)
     lifetime = peak_rss_bytes()
     reset = reset_peak_rss()
@@ -162,7 +163,7 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
     held: dict[str, int] = {}
     for step in range(steps):
         rows = tuple(shard(t, rank, world).to(device) for t in work.batch(step))
-        zerobridge.reset_stats(net)
+        api.reset_stats(net)
         dist.barrier()
         start = time.perf_counter()
         loss = work.loss(net, rows)
@@ -171,14 +172,14 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
         # Every engine measured at one point: backward done, before clipping and the step ask
         # for the gradients (the native engine's deferred fp32 copy and DeepSpeed's fp32
         # gradient partitions both exist only from then to the end of the step).
-        before = zerobridge.stats(net)
+        before = api.stats(net)
         if step == steps - 1 and step > 0:  # optimizer state exists from the step before
             record.live_bytes = live_by_role(net, optimizer)
         start = time.perf_counter()
-        norm = zerobridge.clip_grad_norm_(net, max_norm)
+        norm = api.clip_grad_norm_(net, max_norm)
         optimizer.step()
         spent += time.perf_counter() - start
-        stats = zerobridge.stats(net)
+        stats = api.stats(net)
         start = time.perf_counter()
         optimizer.zero_grad()
         spent += time.perf_counter() - start

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from zerobridge.errors import ConfigError
+from zerobridge.models import PRESETS, SyntheticTokens, no_weight_decay, tiny_gpt
 
 __all__ = ["BUILTIN", "Workload", "adamw", "resolve_model", "tiny_gpt_workload"]
 
@@ -41,7 +42,6 @@ def _call(model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
 
 def adamw(model: nn.Module, *, lr: float = 3e-3, weight_decay: float = 0.1) -> torch.optim.Optimizer:
     """AdamW with no decay on biases, norms and embeddings of positions (names as ``no_weight_decay``)."""
-    from zerobridge.models import no_weight_decay
 
     named = list(model.named_parameters())
     decay = [p for n, p in named if p.requires_grad and not no_weight_decay(n)]
@@ -69,7 +69,6 @@ class Workload:
 def tiny_gpt_workload(seed: int, *, preset: str = "tiny", global_batch: int = 8,
                       seq_len: int = 16) -> Workload:
     """The built-in GPT on ``SyntheticTokens`` (``zerobridge.models``)."""
-    from zerobridge.models import SyntheticTokens, tiny_gpt
 
     model = tiny_gpt(preset, seed=seed)
     data = SyntheticTokens(model.config.vocab_size, seq_len, seed=seed)
@@ -86,7 +85,6 @@ def resolve_model(ref: str, *, global_batch: int | None = None,
     """
     head, sep, tail = ref.partition(":")
     if head == BUILTIN:
-        from zerobridge.models import PRESETS
 
         preset = tail if sep else "tiny"
         if preset not in PRESETS:

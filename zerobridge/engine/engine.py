@@ -41,12 +41,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from zerobridge.engine import collectives
-from zerobridge.runtime.unit_wrap import after_inputs_backward, cast_floats, checkpointed
-from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.grouping import build_groups
 from zerobridge.engine.handing import attach_grads
-from zerobridge.runtime.loss_scale import ScaleGrad
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import open_spaces
 from zerobridge.engine.plan import EnginePlan
@@ -54,11 +51,14 @@ from zerobridge.engine.reducing import ReductionQueue
 from zerobridge.engine.schedule import Order, Residency, Unit
 from zerobridge.engine.state import memory
 from zerobridge.engine.step import NativeStepper
-from zerobridge.runtime.step_rules import install_optimizer_hooks, nonfinite_flag
 from zerobridge.engine.streams import Streams
 from zerobridge.engine.swap import StateSwapper
-from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
+from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.runtime.loss_scale import ScaleGrad
+from zerobridge.runtime.step_rules import install_optimizer_hooks, nonfinite_flag
+from zerobridge.runtime.unit_wrap import after_inputs_backward, cast_floats, checkpointed
 from zerobridge.runtime.window import AccumulationWindow
+from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
 from zerobridge.spec import BackwardPrefetch, GradSync, ParamSharding
 
 __all__ = ["Engine", "Unit"]

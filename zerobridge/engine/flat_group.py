@@ -40,12 +40,22 @@ from torch import nn
 
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
-from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.layout import BucketLayout, GroupLayout
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import (
-    ON_DEVICE, FileRegion, Home, HostRegion, Placement, Region, Spaces, place, placeholder, release, reserve,
+    ON_DEVICE,
+    FileRegion,
+    Home,
+    HostRegion,
+    Placement,
+    Region,
+    Spaces,
+    place,
+    placeholder,
+    release,
+    reserve,
 )
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.wrap_units import ParamRef
 from zerobridge.spec import ParamSharding
 

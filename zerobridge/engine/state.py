@@ -20,15 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerobridge.runtime.tensors import storage_bytes
 from zerobridge.engine import collectives
-from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.layout import GroupLayout
 from zerobridge.engine.master import master_shard
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.offload import ON_DEVICE, FileRegion, Placement
 from zerobridge.engine.swap import StateSwapper
+from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.runtime.tensors import storage_bytes
 
 __all__ = ["full_state_dict", "group_bytes", "memory", "unshuffle"]
 

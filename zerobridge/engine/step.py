@@ -25,16 +25,16 @@ import torch.distributed as dist
 
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
-from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.handing import drop_grads, materialize_grads
-from zerobridge.runtime.loss_scale import LossScaler
 from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.swap import StateSwapper
-from zerobridge.runtime.window import no_gradients
+from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.runtime.loss_scale import LossScaler
 from zerobridge.runtime.step_rules import Hidden, apply_clip, hide_grads, norm_part, raw_step
+from zerobridge.runtime.window import no_gradients
 
 __all__ = ["NativeStepper"]
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from zerobridge.models.data import SyntheticTokens, shard
 from zerobridge.models.tiny_gpt import (
-    PRESETS, Block, GPTConfig, TinyGPT, count_params, no_weight_decay, preset_table, tiny_gpt,
+    PRESETS,
+    Block,
+    GPTConfig,
+    TinyGPT,
+    count_params,
+    no_weight_decay,
+    preset_table,
+    tiny_gpt,
 )
 
 __all__ = ["PRESETS", "Block", "GPTConfig", "SyntheticTokens", "TinyGPT", "count_params", "no_weight_decay", "preset_table", "shard",

@@ -46,11 +46,10 @@ is an error naming it (scratch tensors start as NaN to tell).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import os
 
 import torch
 import torch.distributed as dist

@@ -1,7 +1,8 @@
-"""Test and comparison support: a spawned process group that runs many cases.
+"""What the tests and benchmarks run on every rank of a process group: workloads, reference runs, probes.
 
-:mod:`zerobridge.testing.cluster` spawns ``world_size`` worker processes once,
-initialises ``torch.distributed`` in each and then runs any number of
-``"package.module:function"`` targets in them. :mod:`zerobridge.testing.probes`
-holds small targets for checking that a cluster works.
+Internal: these modules are workers for ``tests/`` and ``bench/`` (each a
+``"zerobridge.testing.<module>:<function>"`` target a
+``zerobridge.harness.cluster.Cluster`` runs), not an API. Product code never
+imports them; ``zerobridge compare --model`` may name
+``zerobridge.testing.workloads`` factories as examples.
 """

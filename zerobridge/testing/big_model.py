@@ -20,7 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import zerobridge
+from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
 from zerobridge.models.tiny_gpt import GPTConfig, TinyGPT, count_params
+from zerobridge.testing.deferred import exact_rss
 
 __all__ = ["big_model_run", "floor_bytes"]
 
@@ -48,9 +51,6 @@ def big_model_run(*, path: str, source: str, config: dict[str, int], steps_token
     """On every rank: ``path`` is ``eager`` (build, load every tensor, prepare),
     ``meta`` (meta build, prepare, ``load_pretrained``) or ``fsdp-meta`` (the same
     on ``backend="fsdp"``). Returns RSS figures, seconds and two losses."""
-    import zerobridge
-    from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from zerobridge.testing.deferred import exact_rss
 
     exact_rss()
     cfg = GPTConfig(**config)

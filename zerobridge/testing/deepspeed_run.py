@@ -1,6 +1,6 @@
 """Train a model under real DeepSpeed ZeRO on an existing process group.
 
-    from zerobridge.testing.cluster import Cluster
+    from zerobridge.harness.cluster import Cluster
 
     if __name__ == "__main__":
         env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": ".cache/torch_extensions"}

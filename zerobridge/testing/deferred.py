@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import zerobridge
+from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
+from zerobridge.testing.parity import ParityNet
+
 __all__ = ["BUILDERS", "MixedNet", "eager_state", "exact_rss", "load_peak", "load_state", "meta_state", "prepare_peak",
            "save_checkpoint_of", "scale_init"]
 
@@ -94,8 +98,6 @@ def _gpt2() -> nn.Module:
 
 
 def _parity() -> nn.Module:
-    from zerobridge.testing.parity import ParityNet
-
     return ParityNet(0)
 
 
@@ -120,7 +122,6 @@ def meta_state(*, model: str, seed: int = 0, stage: int | None = None, spec: Any
                init_fn: str | None = None, rank_seed: bool = False) -> dict[str, Any]:
     """On every rank: build ``model`` on meta from ``seed`` (``rank_seed``: ``seed +
     rank``), prepare it, and return its full state and the generator state after."""
-    import zerobridge
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(seed + (rank if rank_seed else 0))
@@ -154,8 +155,6 @@ def prepare_peak(*, layers: int, width: int, stage: int = 3) -> dict[str, int]:
     preparing a stack of ``layers`` square Linear layers, meta-built then eager."""
     import gc
 
-    import zerobridge
-    from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     exact_rss()
     rises = {}
@@ -179,7 +178,6 @@ def load_state(*, model: str, source: str, stage: int | None = None, spec: Any =
                strict: bool = True) -> dict[str, Any]:
     """On every rank: build ``model`` on meta, prepare it, ``load_pretrained(source)``;
     the full state and what this rank read."""
-    import zerobridge
 
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -194,7 +192,6 @@ def load_state(*, model: str, source: str, stage: int | None = None, spec: Any =
 def save_checkpoint_of(*, model: str, path: str, seed: int = 1, stage: int = 3) -> None:
     """On every rank: an eager ``model`` from ``seed``, prepared at ``stage`` and saved
     with ``zerobridge.save_checkpoint`` to ``path``."""
-    import zerobridge
 
     torch.manual_seed(seed)
     prepared = zerobridge.prepare(BUILDERS[model](), stage=stage)
@@ -206,8 +203,6 @@ def load_peak(*, layers: int, width: int, source: str, stage: int = 3) -> dict[s
     and ``load_pretrained`` of a square Linear stack, and the bytes read."""
     import gc
 
-    import zerobridge
-    from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     exact_rss()
     gc.collect()

@@ -1,6 +1,6 @@
 """Train ParityNet on any backend with the same loop, on every rank of a ``Cluster``.
 
-    from zerobridge.testing.cluster import Cluster
+    from zerobridge.harness.cluster import Cluster
 
     if __name__ == "__main__":
         with Cluster(2) as cluster:
@@ -25,6 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import zerobridge
+from zerobridge.backends.base import backend_of
+from zerobridge.errors import ConfigError
+from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing.parity import ParityNet, RunResult, batch, make_optimizer
 from zerobridge.testing.resume import train_steps
 
@@ -45,9 +50,6 @@ class BackendRun(RunResult):
 
 
 def _spec(stage: int | None, spec: Any, model: torch.nn.Module, accumulation: int) -> Any:
-    from zerobridge.spec.presets import spec_for_stage
-    from zerobridge.spec import StrategySpec
-
     value = spec_for_stage(stage if stage is not None else 3, model) if spec is None else \
         StrategySpec.model_validate(spec) if isinstance(spec, dict) else spec
     return value.model_copy(update={"batch": value.batch.model_copy(update={"accumulation_steps": accumulation})})
@@ -58,8 +60,6 @@ def train(*, backend: str, stage: int | None = None, spec: Any = None, steps: in
           step_every_micro: bool = False, clip: float | None = 1.0, meta: bool = False) -> BackendRun:
     """On every rank: ParityNet trained ``steps`` steps on ``backend`` under ``stage`` or ``spec``.
     ``meta``: built on the meta device from seed 0, for ``prepare`` to materialize."""
-    import zerobridge
-    from zerobridge.backends.base import backend_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if meta:
@@ -119,9 +119,6 @@ def train(*, backend: str, stage: int | None = None, spec: Any = None, steps: in
 
 def refusals(*, specs: dict[str, Any]) -> dict[str, str]:
     """The ``ConfigError`` text ``prepare(..., backend="fsdp")`` gives for each spec ("" when it prepares)."""
-    import zerobridge
-    from zerobridge.errors import ConfigError
-    from zerobridge.spec import StrategySpec
 
     out = {}
     for name, spec in specs.items():
@@ -135,8 +132,6 @@ def refusals(*, specs: dict[str, Any]) -> dict[str, str]:
 
 def misuse() -> dict[str, str]:
     """What ``prepare(..., backend="fsdp")`` says to a second prepare and to an optimizer that has stepped."""
-    import zerobridge
-    from zerobridge.errors import ConfigError
 
     out = {}
     model = zerobridge.prepare(ParityNet(0), stage=3, backend="fsdp")
@@ -152,15 +147,12 @@ def misuse() -> dict[str, str]:
 
 def starts_from_rank0(*, backend: str) -> dict[str, torch.Tensor]:
     """Each rank builds ParityNet with its own seed; after ``prepare`` every rank holds rank 0's values."""
-    import zerobridge
 
     model = zerobridge.prepare(ParityNet(dist.get_rank()), stage=3, backend=backend)
     return {k: v.clone() for k, v in zerobridge.full_state_dict(model).items()}
 
 
 def _stepped_then_prepared() -> None:
-    import zerobridge
-
     model = ParityNet(0)
     opt = make_optimizer(list(model.named_parameters()), "adamw")
     model(*batch(0, 0, 2)).backward()
@@ -169,9 +161,6 @@ def _stepped_then_prepared() -> None:
 
 
 def _model(backend: str, seed: int, spec: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    import zerobridge
-    from zerobridge.spec import StrategySpec
-
     model = ParityNet(seed)
     config = StrategySpec.model_validate(spec) if isinstance(spec, dict) else spec
     model = zerobridge.prepare(model, config=config, backend=backend)
@@ -179,14 +168,11 @@ def _model(backend: str, seed: int, spec: Any) -> tuple[torch.nn.Module, torch.o
 
 
 def _clip(model: torch.nn.Module) -> None:
-    import zerobridge
-
     zerobridge.clip_grad_norm_(model, 1.0)
 
 
 def save_after(*, backend: str, spec: Any, path: str, steps: int) -> list[float]:
     """Train ``steps`` steps and save a checkpoint at ``path`` (metadata ``{"step": steps}``)."""
-    import zerobridge
 
     model, optimizer = _model(backend, 0, spec)
     losses = train_steps(model, optimizer, range(steps), _clip)
@@ -196,7 +182,6 @@ def save_after(*, backend: str, spec: Any, path: str, steps: int) -> list[float]
 
 def resume(*, backend: str, spec: Any, path: str, stop: int) -> dict[str, Any]:
     """A fresh model (another seed, other hyperparameters) loads ``path`` and trains on to ``stop``."""
-    import zerobridge
 
     model, optimizer = _model(backend, 7, spec)
     for group in optimizer.param_groups:  # the checkpoint must put the saved values back

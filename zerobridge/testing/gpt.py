@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import zerobridge
+from zerobridge.distributed import run_device
 from zerobridge.models.data import SyntheticTokens, shard
 from zerobridge.models.tiny_gpt import no_weight_decay, tiny_gpt
-from zerobridge.distributed import run_device
 from zerobridge.testing.parity import RunResult
 
 __all__ = ["reference_gpt", "train_gpt"]
@@ -54,7 +55,6 @@ def reference_gpt(*, steps: int = 5, preset: str = "tiny", global_batch: int = 8
 def train_gpt(*, stage: int | None = None, spec: Any = None, steps: int = 5, preset: str = "tiny",
               global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> RunResult:
     """On every rank: the same training, sharded by ``stage`` or ``spec``."""
-    import zerobridge
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = run_device()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import zerobridge
 from zerobridge.compare.memory import live_storages
 
 __all__ = ["LoraBlock", "LoraNet", "live_tensor_bytes", "run_lora", "run_lora_reference"]
@@ -87,7 +88,6 @@ def run_lora(*, stage: int = 3, backend: str = "native", steps: int = 4, blocks:
              rows: int = 8, measure: bool = True) -> dict[str, Any]:
     """On every rank: ``LoraNet`` trained under ``stage`` on ``backend``; losses (global means),
     and with ``measure`` the peak live tensor bytes above the start of backward, per step."""
-    import zerobridge
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = LoraNet(blocks, width)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import zerobridge
 from zerobridge.spec import EveryModuleWrap, ShardingSpec, StrategySpec, TransformerWrap
 
 __all__ = ["Block", "Blocks", "spec_for", "step_times"]
@@ -65,7 +66,6 @@ def spec_for(wrap: str) -> StrategySpec:
 
 def step_times(*, blocks: int, wrap: str, backend: str, steps: int = 12) -> list[float]:
     """On every rank: seconds per training step (forward to ``zero_grad``), the slowest rank's."""
-    import zerobridge
 
     model = Blocks(blocks)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

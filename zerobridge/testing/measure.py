@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import zerobridge
+from zerobridge.compare.workload import tiny_gpt_workload
+from zerobridge.distributed import run_device
 from zerobridge.engine import collectives
+from zerobridge.spec import DynamicLossScale, EveryModuleWrap, PrecisionSpec
+from zerobridge.spec.presets import spec_for_stage
+from zerobridge.testing import parity
 
 __all__ = ["collective_counts", "counting_collectives", "formula_bytes", "live_tensor_bytes", "memory_and_comm"]
 
@@ -58,7 +64,6 @@ def counting_collectives() -> Iterator[Counter[str]]:
 
 def collective_counts(*, stage: int | None = None, spec: Any = None, steps: int = 2) -> dict[str, int]:
     """Collectives of the last of ``steps`` training steps of ``ParityNet``."""
-    from zerobridge.testing import parity
 
     last: dict[str, int] = {}
 
@@ -123,9 +128,6 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
     after its backward (before the optimizer step). 16-bit ``dtype``s keep an fp32 master in
     ``layout`` (``precision.compute_copy``) and reduce and accumulate in the compute dtype;
     fp16 scales the loss."""
-    import zerobridge
-    from zerobridge.spec.presets import spec_for_stage
-    from zerobridge.spec import DynamicLossScale, EveryModuleWrap, PrecisionSpec
 
     spec = spec_for_stage(stage)
     if stage == 3:
@@ -137,7 +139,6 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
         precision = PrecisionSpec(param_dtype=dtype, master_dtype="fp32", compute_copy=layout, **grads,
                                   **({"loss_scaling": scaling} if scaling else {}))
         spec = spec.model_copy(update={"precision": precision})
-    from zerobridge.distributed import run_device
 
     device = run_device()
     baseline = live_tensor_bytes()
@@ -167,8 +168,6 @@ def gpt_model_state(*, preset: str, spec: Any, backend: str = "native", steps: i
     on the last step, the bytes of every live tensor storage beyond what was live before the model
     was built: after backward (``after_backward``) and once clipping asked for the gradients, as
     the optimizer steps (``at_step``)."""
-    import zerobridge
-    from zerobridge.compare.workload import tiny_gpt_workload
 
     rank, world = dist.get_rank(), dist.get_world_size()
     baseline = live_tensor_bytes()

@@ -27,7 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import zerobridge
 from zerobridge.distributed import run_device
+from zerobridge.spec.presets import spec_for_stage
 
 __all__ = ["ParityNet", "RunResult", "batch", "run_native", "run_reference"]
 
@@ -160,8 +162,6 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
     settings), ``"before"`` or ``"after"`` (``torch.compile(model)`` before or after
     ``prepare``); dynamo's graph and graph-break counts are recorded per step.
     """
-    import zerobridge
-    from zerobridge.spec.presets import spec_for_stage
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = run_device()

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import zerobridge
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing.parity import ParityNet, batch, make_optimizer
 
 __all__ = ["GLOBAL_BATCH", "clip_native", "native", "resume_native", "train_steps"]
@@ -55,8 +57,6 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range
 
 def native(seed: int, stage: int | None = None, spec: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """ParityNet under the native engine (``stage`` or ``spec``) with the parity AdamW."""
-    import zerobridge
-    from zerobridge.spec.presets import spec_for_stage
 
     model = ParityNet(seed)
     model = zerobridge.prepare(model, config=spec if spec is not None else spec_for_stage(stage or 0, model))
@@ -65,7 +65,6 @@ def native(seed: int, stage: int | None = None, spec: Any = None) -> tuple[nn.Mo
 
 def clip_native(model: nn.Module) -> None:
     """The parity runs' clipping (global norm 1.0) on a prepared model."""
-    import zerobridge
 
     zerobridge.clip_grad_norm_(model, 1.0)
 
@@ -73,7 +72,6 @@ def clip_native(model: nn.Module) -> None:
 def resume_native(path: str, *, start: int, stop: int, stage: int | None = None, spec: Any = None) -> dict[str, Any]:
     """A fresh ParityNet (another seed) and optimizer (other hyperparameters) under the
     native engine, loaded from ``path`` and trained on steps ``start`` to ``stop``."""
-    import zerobridge
 
     model, optimizer = native(7, stage, spec)
     for group in optimizer.param_groups:  # the checkpoint must put the saved values back

@@ -40,7 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import zerobridge
 from zerobridge.engine import collectives, streams
+from zerobridge.testing.parity import ParityNet, batch, make_optimizer
 
 __all__ = ["RecordingBackend", "logging_collectives", "recording", "run_recorded", "storage_ptr"]
 
@@ -144,8 +146,6 @@ def run_recorded(spec: Any, *, steps: int = 3, record: bool = True) -> dict[str,
     ``("compute", unit, ptr)`` before each unit's forward (``ptr``: the storage its first
     parameter view reads), ``("step", k)`` before each step and ``("optimizer",)`` before
     each optimizer step, and the losses."""
-    import zerobridge
-    from zerobridge.testing.parity import ParityNet, batch, make_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     log: list[tuple[Any, ...]] = []

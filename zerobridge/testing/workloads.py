@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerobridge.backends.base import backend_of
 from zerobridge.compare.workload import Workload, tiny_gpt_workload
+from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.testing.parity import ParityNet, batch
 
 __all__ = ["BROKEN_STEP", "dropped_reduction", "dropped_reduction_20m", "faulty_workload", "parity_workload"]
@@ -36,8 +38,6 @@ def parity_workload(seed: int) -> Workload:
 
 
 def _faulty_loss(model: nn.Module, rows: tuple[Tensor, ...]) -> Tensor:
-    from zerobridge.backends.base import backend_of
-
     if backend_of(model).name == "fsdp" and dist.get_rank() == 1:
         raise RuntimeError("faulty_workload: rank 1 fails under fsdp")
     loss: Tensor = model(*rows)
@@ -65,8 +65,6 @@ def dropped_reduction_20m(seed: int) -> Workload:
 
 
 def _dropping(work: Workload) -> Workload:
-    from zerobridge.engine.flat_group import FlatGroup
-
     step = [0]
     if dist.is_initialized() and dist.get_rank() == 1:
         original = FlatGroup.take_grad

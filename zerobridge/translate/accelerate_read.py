@@ -31,7 +31,7 @@ from typing import Any
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import AUTO, DType, Stage, StrategySpec, is_auto
-from zerobridge.translate.accelerate_common import D, FORMAT, P, call_reader, carry_machines, launcher_prefix
+from zerobridge.translate.accelerate_common import FORMAT, D, P, call_reader, carry_machines, launcher_prefix
 from zerobridge.translate.accelerate_fsdp import read_fsdp_plugin
 from zerobridge.translate.compilation import read_dynamo
 from zerobridge.translate.compute_copy import note_layout

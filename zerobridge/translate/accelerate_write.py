@@ -20,7 +20,7 @@ from typing import Any
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, StrategySpec, is_auto
-from zerobridge.translate.accelerate_common import D, F, FORMAT
+from zerobridge.translate.accelerate_common import FORMAT, D, F
 from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.compilation import write_dynamo
 from zerobridge.translate.compute_copy import write_compute_copy

@@ -25,9 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from zerobridge.spec import (
-    AUTO, DType, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, is_auto,
-)
+from zerobridge.spec import AUTO, DType, EveryModuleWrap, GradSync, RootWrap, ShardingSpec, StrategySpec, is_auto
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
 from zerobridge.translate.compilation import read_deepspeed_compile

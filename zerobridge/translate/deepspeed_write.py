@@ -19,8 +19,16 @@ import math
 from typing import Any
 
 from zerobridge.spec import (
-    AUTO, BackwardPrefetch, DType, DynamicLossScale, EveryModuleWrap, GradSync, ParamSharding, StaticLossScale,
-    StrategySpec, is_auto,
+    AUTO,
+    BackwardPrefetch,
+    DType,
+    DynamicLossScale,
+    EveryModuleWrap,
+    GradSync,
+    ParamSharding,
+    StaticLossScale,
+    StrategySpec,
+    is_auto,
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage

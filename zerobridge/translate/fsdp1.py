@@ -21,19 +21,46 @@ from __future__ import annotations
 from typing import Any
 
 from zerobridge.spec import (
-    BackwardPrefetch, CheckpointFormat, CommunicationSpec, DType, GradSync, OffloadDevice, OffloadSpec,
-    OptimizerOffload, ParamOffload, ParamSharding, PrecisionSpec, RootWrap, ShardingSpec,
+    BackwardPrefetch,
+    CheckpointFormat,
+    CommunicationSpec,
+    DType,
+    GradSync,
+    OffloadDevice,
+    OffloadSpec,
+    OptimizerOffload,
+    ParamOffload,
+    ParamSharding,
+    PrecisionSpec,
+    RootWrap,
+    ShardingSpec,
     StrategySpec,
 )
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
 from zerobridge.translate.fsdp_common import (
-    PER_UNIT, TrainingLoopForm, accumulate_dtype_for, check_precision, choice, read_keys, read_mesh, read_training_loop,
-    read_wrap, section, take,
+    PER_UNIT,
+    TrainingLoopForm,
+    accumulate_dtype_for,
+    check_precision,
+    choice,
+    read_keys,
+    read_mesh,
+    read_training_loop,
+    read_wrap,
+    section,
+    take,
 )
 from zerobridge.translate.fsdp_write import (
-    StagePlan, checkpoint_format, mesh_form, report_fixed_behaviour, resolve_precision, stage_plan, write_offload,
-    write_training_loop, write_wrap,
+    StagePlan,
+    checkpoint_format,
+    mesh_form,
+    report_fixed_behaviour,
+    resolve_precision,
+    stage_plan,
+    write_offload,
+    write_training_loop,
+    write_wrap,
 )
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation

@@ -35,8 +35,18 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from zerobridge.spec import (
-    AUTO, BatchSpec, DType, DynamicLossScale, GradSync, LossScaling, NoLossScale, RootWrap, SizeWrap,
-    TransformerWrap, WrapSpec, is_auto,
+    AUTO,
+    BatchSpec,
+    DType,
+    DynamicLossScale,
+    GradSync,
+    LossScaling,
+    NoLossScale,
+    RootWrap,
+    SizeWrap,
+    TransformerWrap,
+    WrapSpec,
+    is_auto,
 )
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.mapping import Row, load_table

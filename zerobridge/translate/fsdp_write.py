@@ -20,8 +20,21 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from zerobridge.spec import (
-    AUTO, CheckpointFormat, DType, DynamicLossScale, EveryModuleWrap, GradSync, OffloadDevice, ParamSharding,
-    RootWrap, SizeWrap, Stage, StaticLossScale, StrategySpec, TransformerWrap, is_auto,
+    AUTO,
+    CheckpointFormat,
+    DType,
+    DynamicLossScale,
+    EveryModuleWrap,
+    GradSync,
+    OffloadDevice,
+    ParamSharding,
+    RootWrap,
+    SizeWrap,
+    Stage,
+    StaticLossScale,
+    StrategySpec,
+    TransformerWrap,
+    is_auto,
 )
 from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.fsdp_common import DIM_NAMES, PER_UNIT, shown

@@ -34,8 +34,16 @@ from pydantic import ValidationError
 
 from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import (
-    AUTO, DynamicLossScale, EveryModuleWrap, NoLossScale, RootWrap, SizeWrap, StaticLossScale, StrategySpec,
-    TransformerWrap, is_auto,
+    AUTO,
+    DynamicLossScale,
+    EveryModuleWrap,
+    NoLossScale,
+    RootWrap,
+    SizeWrap,
+    StaticLossScale,
+    StrategySpec,
+    TransformerWrap,
+    is_auto,
 )
 from zerobridge.translate.mapping import MappingTable, Row
 from zerobridge.translate.report import Report, Status

@@ -21,10 +21,11 @@ rows, so docs and code cannot drift.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
+
+import tomllib
 
 from zerobridge.resources import data_dir
 from zerobridge.translate.report import Status

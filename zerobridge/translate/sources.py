@@ -17,12 +17,12 @@ leaves JSON: Hugging Face Trainer and Accelerate load DeepSpeed configs with
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import hjson
+import tomllib
 import yaml
 
 from zerobridge.errors import ConfigError

@@ -29,11 +29,11 @@ from torch import nn
 from zerobridge._version import __version__
 from zerobridge.backends.deepspeed.config import DeepSpeedPlan
 from zerobridge.backends.deepspeed.internals import DeepSpeedInternals, shape_of
-from zerobridge.checkpoint.metadata import metadata_json, saved_ranks
-from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, rank_key
+from zerobridge.checkpoint.metadata import metadata_json, saved_ranks
 from zerobridge.checkpoint.portable import PortableState, portable_from, write_portable
 from zerobridge.checkpoint.reader import open_checkpoint
+from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import agree
 

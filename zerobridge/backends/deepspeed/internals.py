@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerobridge.runtime.tensors import StorageCounter
 from zerobridge.runtime.step_rules import norm_part
+from zerobridge.runtime.tensors import StorageCounter
 
 __all__ = ["DeepSpeedInternals", "held_bytes", "recount_collectives", "shape_of"]
 

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from zerobridge.runtime import comm_stats
-from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.backends.deepspeed.internals import DeepSpeedInternals
 from zerobridge.errors import ConfigError
+from zerobridge.runtime import comm_stats
+from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.window import AccumulationWindow, WindowState, no_gradients
 
 __all__ = ["DeepSpeedModule", "DeepSpeedOptimizer", "DeepSpeedStepper"]

@@ -31,10 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from zerobridge.engine import collectives
-from zerobridge.runtime.unit_wrap import checkpointed
-from zerobridge.runtime.comm_stats import CommStats
-from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
 from zerobridge.errors import ConfigError
+from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.runtime.unit_wrap import checkpointed
+from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
 from zerobridge.spec import WrapSpec
 from zerobridge.translate.report import Entry, Status
 

@@ -25,13 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerobridge.backends.fsdp.kwargs import with_world_size
+from pydantic import ValidationError
+
 from zerobridge.errors import ConfigError
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.fsdp2 import write_fsdp2
+from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Entry, Status
 
-__all__ = ["CLOSEST_STAGE", "HANDLED", "Assessment", "assess", "refuse", "resolved"]
+__all__ = ["CLOSEST_STAGE", "HANDLED", "Assessment", "assess", "refuse", "resolved", "with_world"]
 
 HANDLED: dict[str, str] = {
     "wrapping": "units cut by zerobridge.runtime.wrap_units.unit_modules, the native engine's own",
@@ -82,9 +84,23 @@ class Assessment:
     """Entries the translator flags that are exact or equivalent here, with the reason."""
 
 
+def with_world(spec: StrategySpec, world_size: int) -> StrategySpec:
+    """``spec`` stating ``world_size`` ranks (validated again: group sizes must divide it);
+    ``ConfigError`` when it states another."""
+    spec.sharding.check_world(world_size)
+    if spec.sharding.world_size == world_size:
+        return spec
+    data = spec.model_dump()
+    data["sharding"]["world_size"] = world_size
+    try:
+        return StrategySpec.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
 def resolved(spec: StrategySpec, *, world_size: int, local_world_size: int) -> StrategySpec:
     """``spec`` with the world size and ``"node"`` groups filled in (FSDP2 needs numbers)."""
-    spec = with_world_size(spec, world_size)
+    spec = with_world(spec, world_size)
     s = spec.sharding
     update: dict[str, Any] = {}
     if s.shard_group == "node":

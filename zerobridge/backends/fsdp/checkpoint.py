@@ -30,19 +30,31 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from zerobridge.runtime.tensors import local_tensor
 from zerobridge._version import __version__
 from zerobridge.backends.fsdp.step import FsdpStepper
-from zerobridge.checkpoint.metadata import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
-from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.layout import ZB, Box, model_key, optim_state_key, param_group_key, rank_key, whole
-from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
 from zerobridge.checkpoint.matching import (
-    check_model, group_keys, optimizer_params, restore_groups, state_keys, state_to_param,
+    check_model,
+    group_keys,
+    optimizer_params,
+    restore_groups,
+    state_keys,
+    state_to_param,
 )
+from zerobridge.checkpoint.metadata import (
+    LAYOUT_KEY,
+    METADATA_KEY,
+    metadata_json,
+    saved_ranks,
+    tensor_piece,
+    user_metadata,
+)
+from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
+from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
 from zerobridge.runtime.plan import RunPlan
+from zerobridge.runtime.tensors import local_tensor
 
 __all__ = ["FsdpRun", "load_fsdp", "save_fsdp"]
 

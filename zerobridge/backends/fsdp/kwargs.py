@@ -29,22 +29,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
 from torch.distributed.fsdp import (
-    CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
 )
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from zerobridge.backends.fsdp.apply import plan_units
+from zerobridge.backends.fsdp.assess import with_world
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.wrap_units import layer_class_names
 from zerobridge.spec import StrategySpec, TransformerWrap
 from zerobridge.translate.fsdp1 import CARRIED_FLAGS, HYBRID, MP_CARRIED, write_fsdp1
 from zerobridge.translate.fsdp2 import write_fsdp2
-from zerobridge.translate.keys import from_validation_error
 
 __all__ = ["device_mesh_from_form", "fsdp2_units", "fully_shard_kwargs", "layer_classes", "to_fsdp1_kwargs",
            "to_fsdp2_kwargs", "with_world_size"]
@@ -59,17 +63,7 @@ def with_world_size(spec: StrategySpec, world_size: int | None) -> StrategySpec:
     """``spec`` with the world size of ``world_size`` or of the initialised process group."""
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
-    if world_size is None or spec.sharding.world_size == world_size:
-        return spec
-    if spec.sharding.world_size is not None:
-        raise ConfigError(f"the spec is for {spec.sharding.world_size} ranks, but this run has {world_size}",
-                          key="sharding.world_size", fix=f"run on {spec.sharding.world_size} ranks, or change the spec")
-    data = spec.model_dump()
-    data["sharding"]["world_size"] = world_size
-    try:
-        return StrategySpec.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    return spec if world_size is None else with_world(spec, world_size)
 
 
 def device_mesh_from_form(form: dict[str, Any] | None, *, world_size: int | None = None,

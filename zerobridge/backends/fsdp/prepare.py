@@ -41,8 +41,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from zerobridge.backends.base import adopt_class, check_fresh, set_backend
 from zerobridge.backends.fsdp.apply import (
-    apply_activation_checkpointing, apply_fully_shard, broadcast_from_rank0, cast_states, first_names, plan_units,
-    replace_optimizer_params, shard_group,
+    apply_activation_checkpointing,
+    apply_fully_shard,
+    broadcast_from_rank0,
+    cast_states,
+    first_names,
+    plan_units,
+    replace_optimizer_params,
+    shard_group,
 )
 from zerobridge.backends.fsdp.assess import assess, refuse
 from zerobridge.backends.fsdp.backend import FsdpBackend, ZeroFsdpModule

@@ -35,9 +35,9 @@ from torch.utils import _pytree as pytree
 
 from zerobridge.runtime.loss_scale import LossScaler, ScaleGrad
 from zerobridge.runtime.plan import RunPlan
+from zerobridge.runtime.step_rules import apply_clip, hide_grads, nonfinite_flag, norm_part
 from zerobridge.runtime.tensors import local_tensor
 from zerobridge.runtime.window import AccumulationWindow, no_gradients
-from zerobridge.runtime.step_rules import apply_clip, hide_grads, nonfinite_flag, norm_part
 
 __all__ = ["FsdpStepper"]
 

@@ -36,15 +36,45 @@ import torch
 from torch import nn
 
 from zerobridge._version import __version__
-from zerobridge.checkpoint.layout import ZB, Box, box_start, model_key, optim_state_key, param_group_key, rank_key, run_boxes, whole
-from zerobridge.checkpoint.matching import check_model, group_keys, optimizer_params, restore_groups, state_keys, state_to_param
-from zerobridge.checkpoint.metadata import LAYOUT_KEY, METADATA_KEY, metadata_json, saved_ranks, tensor_piece, user_metadata
+from zerobridge.checkpoint.layout import (
+    ZB,
+    Box,
+    box_start,
+    model_key,
+    optim_state_key,
+    param_group_key,
+    rank_key,
+    run_boxes,
+    whole,
+)
+from zerobridge.checkpoint.matching import (
+    check_model,
+    group_keys,
+    optimizer_params,
+    restore_groups,
+    state_keys,
+    state_to_param,
+)
+from zerobridge.checkpoint.metadata import (
+    LAYOUT_KEY,
+    METADATA_KEY,
+    metadata_json,
+    saved_ranks,
+    tensor_piece,
+    user_metadata,
+)
 from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
 from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, RunCache, write_checkpoint
 from zerobridge.engine.access import (
-    LocalRun, local_runs, read_master, read_optimizer_state, refresh_compute, write_master, write_optimizer_state,
+    LocalRun,
+    local_runs,
+    read_master,
+    read_optimizer_state,
+    refresh_compute,
+    write_master,
+    write_optimizer_state,
 )
 from zerobridge.engine.engine import Engine
 

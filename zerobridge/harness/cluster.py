@@ -2,11 +2,11 @@
 
 Example (save as a script: "spawn" re-imports the main module, so guard it)::
 
-    from zerobridge.testing.cluster import Cluster
+    from zerobridge.harness.cluster import Cluster
 
     if __name__ == "__main__":
         with Cluster(2) as cluster:
-            print(cluster.run("zerobridge.testing.probes:all_reduce_sum", value=1.5))
+            print(cluster.run("zerobridge.harness.probes:all_reduce_sum", value=1.5))
             # [3.0, 3.0]
 
 ``Cluster(world_size)`` starts ``world_size`` worker processes with the

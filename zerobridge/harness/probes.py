@@ -1,7 +1,7 @@
-"""Small targets for checking a :class:`~zerobridge.testing.cluster.Cluster`.
+"""Small targets for checking a :class:`~zerobridge.harness.cluster.Cluster`.
 
 Each is a module-level function that a worker can import by name, e.g.
-``cluster.run("zerobridge.testing.probes:all_reduce_sum", value=1.0)``. They
+``cluster.run("zerobridge.harness.probes:all_reduce_sum", value=1.0)``. They
 run after the default process group is initialised and return picklable values.
 """
 
