@@ -9,7 +9,7 @@ STAMP := $(VENV)/.setup-stamp
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo test clean
+.PHONY: setup demo lint test test-gpu clean
 
 setup: $(STAMP)
 
@@ -27,10 +27,20 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 demo: setup
 	$(BIN)/zerobridge compare
 
-# The suite, then a short comparison as a CI gate would run it.
-test: setup
+# ruff (lint and import order) and mypy (strict on spec/, translate/, runtime/; checked elsewhere).
+lint: setup
+	$(BIN)/ruff check zerobridge tests bench examples
+	$(BIN)/mypy
+
+# Lint, the suite, then a short comparison as a CI gate would run it.
+test: lint
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/zerobridge compare --stages 0 3 --steps 3
+
+# The tests that need CUDA/NCCL (streams, pinned reads, device binding, NCCL parity), one rank per GPU;
+# all skipped on a machine without one. pip resolves the torch pin to its CUDA build there.
+test-gpu: setup
+	ZEROBRIDGE_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -m gpu tests
 
 clean:
 	rm -rf $(VENV) .cache build dist

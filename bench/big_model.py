@@ -47,7 +47,6 @@ PATHS = ("eager", "meta", "fsdp-meta")
 
 def write_weights(config: dict[str, int], target: Path) -> int:
     """The model's weights from seed 1 as one safetensors file; returns its size."""
-    import torch
     from safetensors.torch import save_file
 
     from zerobridge.models.tiny_gpt import GPTConfig, TinyGPT
@@ -143,8 +142,8 @@ def main() -> int:
     if args.render:
         DOC.write_text(splice(DOC.read_text(), table(json.loads(RESULTS.read_text()))))
         return 0
-    from zerobridge.models.tiny_gpt import GPTConfig, count_params
     from zerobridge.harness.cluster import Cluster, RankError
+    from zerobridge.models.tiny_gpt import GPTConfig, count_params
 
     config = {"vocab_size": args.vocab, "block_size": args.block, "n_layer": args.layers, "n_head": args.heads,
               "n_embd": args.embd}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from backends import ROOT, SHAPES, preset_main, splice  # splice: tests render the block
+from backends import ROOT, SHAPES, preset_main, splice  # noqa: F401  (splice: tests render the block)
 
 from zerobridge.compare.report import Comparison, relative
 from zerobridge.compare.runner import RunOutcome

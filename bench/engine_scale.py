@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from backends import ROOT, machine, publish, splice  # splice: tests render the block
+from backends import ROOT, machine, publish, splice  # noqa: F401  (splice: tests render the block)
 
 from zerobridge.explain import format_bytes
 

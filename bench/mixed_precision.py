@@ -30,8 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from backends import ROOT, SHAPES, preset_main, splice  # splice: tests render the block
-
+from backends import ROOT, SHAPES, preset_main, splice  # noqa: F401  (splice: tests render the block)
 
 BEGIN, END = "<!-- bench/mixed_precision.py: begin -->", "<!-- bench/mixed_precision.py: end -->"
 RESULTS = ROOT / "bench" / "results" / "mixed_precision.json"
@@ -40,8 +39,8 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 def _configs(folder: Path) -> list[Path]:
     """Spec files: ``<dtype>-<layout>-z<stage>``."""
-    from zerobridge.spec.presets import spec_for_stage
     from zerobridge.spec import DynamicLossScale, PrecisionSpec
+    from zerobridge.spec.presets import spec_for_stage
 
     paths = []
     cases = [(d, "stored", s) for d in ("bf16", "fp16") for s in (0, 1, 2, 3)]
@@ -60,8 +59,8 @@ def _configs(folder: Path) -> list[Path]:
 def measure(preset: str, steps: int) -> dict[str, Any]:
     """Every spec on the native engine, the FSDP-layout bf16 spec on FSDP2 too, in one 2-rank group."""
     from zerobridge.explain import explain
-    from zerobridge.load import load_spec
     from zerobridge.harness.cluster import Cluster
+    from zerobridge.load import load_spec
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder, Cluster(2, timeout_s=1800) as cluster:

@@ -54,10 +54,10 @@ def measure(*, config: dict[str, Any], nvme_path: str, steps: int, seq_len: int,
     import torch.distributed as dist
 
     import zerobridge
-    from zerobridge.spec.presets import spec_for_stage
     from zerobridge.compare.worker import peak_rss_bytes, reset_peak_rss, rss_bytes
     from zerobridge.models import no_weight_decay, shard, tiny_gpt
     from zerobridge.spec import OffloadSpec
+    from zerobridge.spec.presets import spec_for_stage
 
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = spec_for_stage(config["stage"])

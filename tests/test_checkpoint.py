@@ -295,7 +295,7 @@ def die_during_save(path: str, where: str) -> None:
             if calls[0] == 5:
                 die()
             return resolve(self, item)
-        setattr(writer._Planner, "resolve_data", dying_resolve)
+        writer._Planner.resolve_data = dying_resolve
     else:
         rename = os.rename
 
@@ -303,8 +303,8 @@ def die_during_save(path: str, where: str) -> None:
             rename(src, dst)
             if Path(src) == Path(path).absolute():
                 die()
-        setattr(storage, "_exchange", lambda a, b: False)
-        setattr(os, "rename", dying_rename)  # the worker dies right after; nothing else renames
+        storage._exchange = lambda a, b: False
+        os.rename = dying_rename  # the worker dies right after; nothing else renames
     save_steps(path, 9)
 
 

@@ -351,7 +351,7 @@ def test_a_hybrid_save_writes_every_element_once(clusters: dict[int, Cluster], t
         assert torch.equal(back.model[name], value), name
 
 
-OFFLOAD = importlib.util.find_spec("zerobridge.engine.offload") is not None
+OFFLOAD = importlib.util.find_spec("zerobridge.engine.tiers") is not None
 
 
 def nvme(spec: StrategySpec, root: Path) -> StrategySpec:

@@ -1,4 +1,4 @@
-"""``read_deepspeed`` on checkpoints written by real DeepSpeed on CPU.
+"""``import_deepspeed_checkpoint`` on checkpoints written by real DeepSpeed on CPU.
 
 One gloo group of two ranks trains ParityNet (uneven sizes, a tied
 embedding/head, a frozen layer, an unused parameter, two param groups) under
@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from zerobridge.checkpoint.deepspeed_import import read_deepspeed
+from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint
 from zerobridge.errors import ConfigError
 from zerobridge.harness.cluster import Cluster
 from zerobridge.testing.deepspeed_run import AdamWReference, DeepSpeedRun, reference_adamw
@@ -86,7 +86,7 @@ def copy_of(runs: dict[str, tuple[Path, DeepSpeedRun]], name: str, tmp_path: Pat
 def test_weights_equal_deepspeeds_own_reconstruction(runs: dict[str, tuple[Path, DeepSpeedRun]],
                                                      name: str) -> None:
     directory, run = runs[name]
-    state, _ = read_deepspeed(directory)
+    state, _ = import_deepspeed_checkpoint(directory)
     assert run.tag == state.metadata["tag"] == f"global_step{SAVED_AT}"
     for fqn, live in run.saved_params.items():  # DeepSpeed's live fp32 masters at save time, bit for bit
         assert torch.equal(state.model[fqn], live), fqn
@@ -103,7 +103,7 @@ def test_weights_equal_deepspeeds_own_reconstruction(runs: dict[str, tuple[Path,
 
 @pytest.mark.parametrize("name", [n for n in FP32 if n != "zero3_subgroups"])
 def test_weights_match_single_process_reference(runs: dict[str, tuple[Path, DeepSpeedRun]], name: str) -> None:
-    state, _ = read_deepspeed(runs[name][0])
+    state, _ = import_deepspeed_checkpoint(runs[name][0])
     ref = run_reference(steps=SAVED_AT).state
     assert set(state.model) == set(ref)
     for fqn, value in ref.items():
@@ -116,7 +116,7 @@ def test_weights_match_single_process_reference(runs: dict[str, tuple[Path, Deep
 
 
 def test_buffers_and_subgroups_match_reference(runs: dict[str, tuple[Path, DeepSpeedRun]]) -> None:
-    state, report = read_deepspeed(runs["zero3_subgroups"][0])
+    state, report = import_deepspeed_checkpoint(runs["zero3_subgroups"][0])
     ref = torch_adamw(BUFFERED).state_dict
     assert set(state.model) == set(ref) and "scratch" not in state.model
     assert state.metadata["buffers"] == ["gain", "calls"]
@@ -130,7 +130,7 @@ def test_buffers_and_subgroups_match_reference(runs: dict[str, tuple[Path, DeepS
 
 @pytest.mark.parametrize("name", FP32)
 def test_optimizer_state_matches_torch_adamw(runs: dict[str, tuple[Path, DeepSpeedRun]], name: str) -> None:
-    state, _ = read_deepspeed(runs[name][0])
+    state, _ = import_deepspeed_checkpoint(runs[name][0])
     ref = torch_adamw(CASES[name].get("model_factory"))
     assert set(state.optimizer) == set(ref.optimizer) | set(UNUSED)  # not frozen, not the tied alias
     scale = {k: max(s[k].abs().max().item() for s in ref.optimizer.values()) for k in ("exp_avg", "exp_avg_sq")}
@@ -151,7 +151,7 @@ def test_optimizer_state_matches_torch_adamw(runs: dict[str, tuple[Path, DeepSpe
 def test_optimizer_state_equals_deepspeeds_live_state(runs: dict[str, tuple[Path, DeepSpeedRun]],
                                                        name: str) -> None:
     directory, run = runs[name]
-    state, _ = read_deepspeed(directory)
+    state, _ = import_deepspeed_checkpoint(directory)
     assert set(run.saved_optimizer) == set(state.optimizer)
     for fqn, live in run.saved_optimizer.items():
         for key, value in live.items():
@@ -162,14 +162,14 @@ def test_optimizer_state_equals_deepspeeds_live_state(runs: dict[str, tuple[Path
 def test_param_groups_metadata_and_report(runs: dict[str, tuple[Path, DeepSpeedRun]], name: str) -> None:
     import deepspeed
 
-    state, report = read_deepspeed(runs[name][0])
+    state, report = import_deepspeed_checkpoint(runs[name][0])
     ref = torch_adamw(CASES[name].get("model_factory"))
     frozen = ["frozen.weight", "frozen.bias"]
     assert len(state.param_groups) == len(ref.param_groups) == 2
     elastic = name == "zero2_layout"
     for g, (got, want) in enumerate(zip(state.param_groups, ref.param_groups)):
         assert got["params"] == [n for n in want["params"] if n not in frozen]
-        assert {n: g for n in got["params"]}.items() <= state.metadata["param_group_of"].items()
+        assert dict.fromkeys(got["params"], g).items() <= state.metadata["param_group_of"].items()
         hyper = {k: v for k, v in want.items() if k != "params"}
         assert {k: v for k, v in got.items() if k != "params"} == ({} if elastic else hyper)
     approximated = [e.key for e in report.with_status(Status.APPROXIMATED)]
@@ -201,7 +201,7 @@ def test_refuses_a_malicious_pickle_without_running_it(runs: dict[str, tuple[Pat
     assert marker.exists()
     marker.unlink()
     with pytest.raises(ConfigError, match=r"refuses to unpickle (builtins\.)?exec:") as caught:
-        read_deepspeed(directory)
+        import_deepspeed_checkpoint(directory)
     assert not marker.exists()
     assert str(victim) in str(caught.value) and "fix:" in str(caught.value)
 
@@ -211,7 +211,7 @@ def test_missing_rank_file(runs: dict[str, tuple[Path, DeepSpeedRun]], tmp_path:
     gone = directory / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     gone.unlink()
     with pytest.raises(ConfigError, match="rank file missing for data-parallel rank 1 of 2") as caught:
-        read_deepspeed(directory)
+        import_deepspeed_checkpoint(directory)
     assert str(gone) in str(caught.value)
 
 
@@ -221,18 +221,18 @@ def test_extra_rank_file_is_a_world_size_mismatch(runs: dict[str, tuple[Path, De
     rank1 = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shutil.copy(rank1, tag_dir / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
     with pytest.raises(ConfigError, match="3 rank files but partition_count says world size 2"):
-        read_deepspeed(tag_dir)
+        import_deepspeed_checkpoint(tag_dir)
 
 
 def test_tags_latest_and_tag_directory(runs: dict[str, tuple[Path, DeepSpeedRun]], tmp_path: Path) -> None:
     directory = copy_of(runs, "zero1", tmp_path)
     with pytest.raises(ConfigError, match=r"no checkpoint tag 'global_step99'[\s\S]*global_step4"):
-        read_deepspeed(directory, tag="global_step99")
+        import_deepspeed_checkpoint(directory, tag="global_step99")
     (directory / "latest").unlink()
     with pytest.raises(ConfigError, match=r"no 'latest' file and no tag given[\s\S]*global_step4"):
-        read_deepspeed(directory)
-    by_tag, _ = read_deepspeed(directory, tag="global_step4")
-    by_dir, _ = read_deepspeed(directory / "global_step4")
+        import_deepspeed_checkpoint(directory)
+    by_tag, _ = import_deepspeed_checkpoint(directory, tag="global_step4")
+    by_dir, _ = import_deepspeed_checkpoint(directory / "global_step4")
     assert all(torch.equal(by_tag.model[k], v) for k, v in by_dir.model.items())
 
 
@@ -255,13 +255,13 @@ def test_unsupported_layouts_are_refused(runs: dict[str, tuple[Path, DeepSpeedRu
     else:
         (directory / "latest").rename(directory / "latest_universal")
     with pytest.raises(ConfigError, match=message) as caught:
-        read_deepspeed(directory)
+        import_deepspeed_checkpoint(directory)
     assert "fix:" in str(caught.value)
 
 
 def test_stage0_is_a_plain_state_dict(runs: dict[str, tuple[Path, DeepSpeedRun]]) -> None:
     with pytest.raises(ConfigError, match="ZeRO stage 0 checkpoint: its 'module' is already the full model"):
-        read_deepspeed(runs["zero0"][0])
+        import_deepspeed_checkpoint(runs["zero0"][0])
 
 
 def test_dynamic_loss_scaler_and_scheduler_are_reported(runs: dict[str, tuple[Path, DeepSpeedRun]],
@@ -277,15 +277,15 @@ def test_dynamic_loss_scaler_and_scheduler_are_reported(runs: dict[str, tuple[Pa
     model_file = tag_dir / "mp_rank_00_model_states.pt"
     model = torch.load(model_file, weights_only=False)
     torch.save(model | {"lr_scheduler": {"last_epoch": SAVED_AT, "_last_lr": [LR]}}, model_file)
-    state, report = read_deepspeed(tag_dir)
+    state, report = import_deepspeed_checkpoint(tag_dir)
     assert state.metadata["loss_scale"] == 2.0**12 and state.metadata["dynamic_loss_scale"] is True
     assert report.find("loss_scaler").status is Status.APPROXIMATED  # type: ignore[union-attr]
     assert report.find("lr_scheduler").status is Status.NOT_EXPRESSIBLE  # type: ignore[union-attr]
 
 
 def test_reads_without_importing_deepspeed(runs: dict[str, tuple[Path, DeepSpeedRun]]) -> None:
-    code = ("import sys; from zerobridge.checkpoint.deepspeed_import import read_deepspeed; "
-            f"state, _ = read_deepspeed({str(runs['zero3'][0])!r}); "
+    code = ("import sys; from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint; "
+            f"state, _ = import_deepspeed_checkpoint({str(runs['zero3'][0])!r}); "
             "assert len(state.optimizer) == 17, len(state.optimizer); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -161,8 +161,7 @@ def test_config_from_the_environment() -> None:
 
 
 def test_a_peer_that_never_joins_is_a_timeout_not_a_hang() -> None:
-    with Cluster(2, timeout_s=60, group_timeout_s=3) as cluster:
-        with pytest.raises(RankError) as caught:
-            cluster.run("zerobridge.testing.parity:leave_early", rank_that_leaves=1)
+    with Cluster(2, timeout_s=60, group_timeout_s=3) as cluster, pytest.raises(RankError) as caught:
+        cluster.run("zerobridge.testing.parity:leave_early", rank_that_leaves=1)
     assert caught.value.ranks == (0,)
     assert "timed out" in str(caught.value).lower() or "timeout" in str(caught.value).lower()

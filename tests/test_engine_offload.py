@@ -25,9 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerobridge.engine.offload import PREFIX, SwapSpace, check_offload, remove_stale
+from zerobridge.engine.nvme_step import tiles
 from zerobridge.engine.plan import check_runnable, plan_engine
-from zerobridge.engine.swap import tiles
+from zerobridge.engine.swapfile import PREFIX, SwapSpace, remove_stale
+from zerobridge.engine.tiers import check_offload
 from zerobridge.errors import ConfigError
 from zerobridge.harness.cluster import Cluster
 from zerobridge.spec import (
@@ -497,7 +498,7 @@ def access_round_trip(*, spec: StrategySpec, steps: int = 3) -> dict[str, Any]:
     """Worker: read master and optimizer state of a trained engine run by run,
     write them into a fresh engine whose optimizer never stepped, and train both on."""
     import zerobridge
-    from zerobridge.engine import access
+    from zerobridge.engine import local_runs as access
     from zerobridge.testing.parity import batch, make_optimizer
 
     def train(model: Any, optimizer: Any, start: int, count: int) -> list[float]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from zerobridge.engine.offload import HostRegion
+from zerobridge.engine.swapfile import HostRegion
 from zerobridge.harness.cluster import Cluster, clusters
 from zerobridge.spec import ShardingSpec, StrategySpec
 from zerobridge.spec.presets import spec_for_stage
@@ -178,6 +178,6 @@ def test_host_reads_are_non_blocking_from_pinned_memory(monkeypatch: pytest.Monk
     region = HostRegion(torch.arange(6.0))
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
-    monkeypatch.setattr("zerobridge.engine.offload.reads_into_device", lambda out: True)
+    monkeypatch.setattr("zerobridge.engine.swapfile.reads_into_device", lambda out: True)
     out = region.read(2, torch.empty(3))
     assert out.tolist() == [2.0, 3.0, 4.0] and calls == [True]

@@ -94,6 +94,14 @@ def test_transformer_and_size_wrap() -> None:
         unit_modules(nn.Linear(2, 2), TransformerWrap())
 
 
+def test_size_wrap_never_makes_a_container_a_unit() -> None:
+    """A ModuleList is never called, so hooks on it would never gather it: its children are the units
+    (torch's size-based policy skips containers the same way)."""
+    model = nn.Sequential(nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]), nn.Linear(4, 1))
+    assert unit_modules(model, SizeWrap(min_params=30)) == [model]  # the list holds 60, each Linear 20
+    assert unit_modules(model, SizeWrap(min_params=20)) == [model, *model[0]]
+
+
 # ----------------------------------------------------------------- plan
 
 

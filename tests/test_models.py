@@ -121,7 +121,7 @@ def test_batches_are_deterministic_per_step() -> None:
     x, y = data.batch(4, 8)
     assert x.shape == y.shape == (8, 12) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
-    assert 0 <= int(x.min()) and int(x.max()) < 64
+    assert int(x.min()) >= 0 and int(x.max()) < 64
     again = SyntheticTokens(64, 12, seed=5).batch(4, 8)
     assert torch.equal(x, again[0]) and torch.equal(y, again[1])
     assert not torch.equal(x, data.batch(5, 8)[0])

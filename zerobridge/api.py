@@ -82,7 +82,7 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
 
 
 def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    check_fresh(model, optimizer)
+    check_fresh(model, optimizer)  # before anything else looks at the model (each backend checks it too)
     params = list(model.parameters())
     if not params:
         raise ConfigError(f"{type(model).__name__} has no parameters to shard", key="model",
@@ -189,7 +189,13 @@ def _rewrap(prepared: nn.Module | tuple[nn.Module, torch.optim.Optimizer], wrapp
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients by their global norm over every rank and shard; return the norm."""
+    """Clip gradients by their global norm over every rank and shard; return the norm before clipping.
+
+    Args:
+        model: a prepared model, after backward at an accumulation boundary.
+        max_norm: the largest global norm left after clipping (``inf``: measure only).
+        norm_type: the p of the p-norm (``inf`` for the max-norm; DeepSpeed computes the 2-norm only).
+    """
     return backend_of(model).clip_grad_norm(float(max_norm), float(norm_type))
 
 
@@ -197,9 +203,14 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, offload_to_cp
                     ) -> dict[str, torch.Tensor]:
     """The unsharded state dict under the original names (tied ones under each). Collective.
 
-    ``rank0_only``: only rank 0 gets it (the others ``{}``); ``offload_to_cpu``:
-    values in host memory. With both, the native engine gathers one group at
-    a time to rank 0's host memory: no rank holds the whole model on its device."""
+    With both flags, the native engine gathers one group at a time to rank 0's
+    host memory: no rank holds the whole model on its device.
+
+    Args:
+        model: a prepared model.
+        rank0_only: only rank 0 gets the values (the others ``{}``).
+        offload_to_cpu: the values in host memory.
+    """
     return backend_of(model).full_state(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
 
@@ -212,12 +223,21 @@ def stats(model: nn.Module) -> dict[str, Any]:
     small state kept in memory by the nvme tier) and ``nvme`` (swap files).
     ``comm_bytes`` / ``comm_calls``: per collective kind since the last
     ``reset_stats``. ``loss_scale``, ``skipped_steps``: fp16 loss scaling.
+    ``approximations`` (FSDP2, DeepSpeed): what the backend runs differently
+    from the spec.
+
+    Args:
+        model: a prepared model.
     """
     return backend_of(model).stats()
 
 
 def reset_stats(model: nn.Module) -> None:
-    """Start counting communication from zero."""
+    """Start counting communication from zero.
+
+    Args:
+        model: a prepared model.
+    """
     backend_of(model).reset_stats()
 
 
@@ -235,6 +255,12 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     (JSON-able, e.g. ``{"step": 100}``) comes back from ``load_checkpoint``.
     Call it after ``optimizer.step()``: gradients are not saved. The previous
     checkpoint at ``path`` stays until the new one is complete.
+
+    Args:
+        path: the checkpoint directory (created; replaced atomically when it exists).
+        model: a prepared model.
+        optimizer: the optimizer stepping it (``None``: the model only).
+        metadata: JSON-able values returned by ``load_checkpoint``.
     """
     return backend_of(model).save_checkpoint(Path(path), optimizer, metadata)
 
@@ -253,6 +279,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     rank ``r`` taking saved rank ``r mod saved world size``. Checkpoints
     written by ``torch.distributed.checkpoint`` (FSDP2) load too, unverified
     (they have no manifest).
+
+    Args:
+        path: a checkpoint directory written at any stage, world size, layout or backend.
+        model: a prepared model.
+        optimizer: the optimizer to restore (``None``: the model only).
+        strict: every name must match both ways, and optimizer state must be there.
+        rng: restore the random generators.
     """
     return backend_of(model).load_checkpoint(Path(path), optimizer, strict=strict, rng=rng)
 
@@ -261,7 +294,13 @@ def save_full(path: str | Path, model: nn.Module, *, dtype: torch.dtype | None =
     """Write the whole model's weights (``zerobridge.full_state_dict``) as one
     safetensors file, floating tensors cast to ``dtype`` if given. Collective:
     the values are gathered group by group into rank 0's host memory, and rank
-    0 writes (atomically)."""
+    0 writes (atomically).
+
+    Args:
+        path: the ``.safetensors`` file to write.
+        model: a prepared model.
+        dtype: the dtype floating tensors are written in (default: as held).
+    """
     whole = full_state_dict(model, rank0_only=True, offload_to_cpu=True)  # one group at a time, to rank 0's host
     state = {k: v for k, v in whole.items() if isinstance(v, torch.Tensor)}
     distributed = dist.is_initialized() and dist.get_world_size() > 1

@@ -14,6 +14,7 @@ user's loop (``loss.backward()``, ``optimizer.step()``,
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,10 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobridge.distributed import init_distributed
 from zerobridge.errors import ConfigError
 from zerobridge.pretrained.targets import Target
+from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
 
-__all__ = ["Backend", "adopt_class", "backend_of", "check_fresh", "is_prepared", "keep_where_asked", "set_backend"]
+__all__ = ["Backend", "adopt_class", "backend_of", "check_fresh", "is_prepared", "keep_where_asked", "set_backend",
+           "start_run"]
 
 _ATTRIBUTE = "_zerobridge_backend"
 
@@ -109,6 +113,18 @@ def check_fresh(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> No
     if optimizer is not None and any(optimizer.state.values()):
         raise ConfigError("the optimizer has already stepped (it holds state)", key="optimizer",
                           fix="call zerobridge.prepare before the first optimizer.step()")
+
+
+def start_run(model: nn.Module, replay: Replay | None, device: torch.device | None) -> tuple[int, int]:
+    """What every backend does first: start (or join) the default process group with this rank's
+    accelerator bound, and record a meta-device model's construction from rank 0's generator.
+    Returns (world size, ranks per node). Collective."""
+    init_distributed(model, device)
+    if replay is not None:
+        assert device is not None, "a meta-device model names the device it materializes on"
+        replay_on_every_rank(replay, device)
+    world = dist.get_world_size()
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 _CLASSES: dict[tuple[type, type, str], type] = {}

@@ -152,10 +152,10 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _import_deepspeed(args: argparse.Namespace) -> int:
-    from zerobridge.checkpoint.deepspeed_import import read_deepspeed  # lazy: loads torch
+    from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint  # lazy: loads torch
     from zerobridge.checkpoint.portable import write_portable  # lazy: loads torch
 
-    state, report = read_deepspeed(args.directory, args.tag)
+    state, report = import_deepspeed_checkpoint(args.directory, args.tag)
     path = write_portable(args.output, state)
     if args.json:
         print(json.dumps({"output": str(path), "report": report.to_json()}, indent=2))

@@ -1,7 +1,7 @@
 """Read a DeepSpeed ZeRO checkpoint (stages 1-3) into a ``PortableState``.
 
-    >>> from zerobridge.checkpoint.deepspeed_import import read_deepspeed   # doctest: +SKIP
-    >>> state, report = read_deepspeed("runs/ds")   # doctest: +SKIP
+    >>> from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint   # doctest: +SKIP
+    >>> state, report = import_deepspeed_checkpoint("runs/ds")   # doctest: +SKIP
     >>> print(report.render())                      # doctest: +SKIP
 
 Parameters and their optimizer state are rebuilt from the fp32 master
@@ -51,14 +51,10 @@ from zerobridge.translate.report import Entry, Report, Status
 if TYPE_CHECKING:
     from zerobridge.checkpoint.portable import PortableState
 
-__all__ = ["read_deepspeed"]
+__all__ = ["import_deepspeed_checkpoint"]
 
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_KNOWN_MODEL_KEYS = frozenset((
-    "module buffer_names optimizer param_shapes frozen_param_shapes shared_params frozen_param_fragments lr_scheduler "
-    "data_sampler random_ltd sparse_tensor_module_names skipped_steps global_steps global_samples dp_world_size "
-    "mp_world_size checkpoint_parallel_dimensions ds_config ds_version universal_checkpoint_info num_experts "
-    "ds_autoep_layers").split())
+_KNOWN_MODEL_KEYS = frozenset(["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts", "ds_autoep_layers"])
 _CONVERT_FIX = ("load it in DeepSpeed on a plain data-parallel ZeRO 1-3 run (a universal checkpoint lets the "
                 "parallelism change), save_checkpoint, and import that")
 _RESAVE_FIX = "the files come from different saves or an interrupted copy: copy the whole tag directory again"
@@ -331,7 +327,7 @@ def _read_frozen(build: _Builder, files: _Files) -> list[str]:
     return list(values)
 
 
-def read_deepspeed(directory: str | Path, tag: str | None = None) -> tuple[PortableState, Report]:
+def import_deepspeed_checkpoint(directory: str | Path, tag: str | None = None) -> tuple[PortableState, Report]:
     """The model and optimizer state of a DeepSpeed ZeRO checkpoint, whole.
 
     ``directory`` is the ``save_checkpoint`` directory (its ``latest`` file

@@ -26,7 +26,7 @@ end      launch what never fired (unused parameters), land every reduction,
          parameters were used and hand the optimizer its gradients.
 step     global optimizer hooks: unscale and check overflow, clip when the
          spec says, hide gradients when the step must be skipped (or step the
-         state tile by tile from nvme, ``swap.py``); after the step push master
+         state tile by tile from nvme, ``nvme_step.py``); after the step push master
          values into the compute parameters.
 """
 
@@ -42,17 +42,17 @@ from torch.utils import _pytree as pytree
 
 from zerobridge.engine import collectives
 from zerobridge.engine.flat_group import FlatGroup
+from zerobridge.engine.grad_store import attach_grads
 from zerobridge.engine.grouping import build_groups
-from zerobridge.engine.handing import attach_grads
 from zerobridge.engine.mesh import Mesh
-from zerobridge.engine.offload import open_spaces
+from zerobridge.engine.nvme_step import StateSwapper
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.reducing import ReductionQueue
 from zerobridge.engine.schedule import Order, Residency, Unit
 from zerobridge.engine.state import memory
 from zerobridge.engine.step import NativeStepper
 from zerobridge.engine.streams import Streams
-from zerobridge.engine.swap import StateSwapper
+from zerobridge.engine.tiers import open_spaces
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.loss_scale import ScaleGrad
 from zerobridge.runtime.step_rules import install_optimizer_hooks, nonfinite_flag
@@ -70,48 +70,20 @@ class Engine:
     # ------------------------------------------------------------------ initialization
 
     def __init__(self, model: nn.Module, plan: EnginePlan, mesh: Mesh, device: torch.device | None = None) -> None:
-        """``device``: where a meta-device model's groups go (values: ``engine/materialize.py``)."""
+        """``device``: where a meta-device model's groups go (values: ``backends/native/materialize.py``)."""
         self.model = model
         self.plan = plan
         self.mesh = mesh
         self.device = device or next(model.parameters()).device
         self.stats = CommStats()
-        collectives.broadcast_module(model, 0, mesh.control, self.stats)
-        if plan.buffer_dtype is not None:
-            for module in model.modules():
-                for name, buf in module._buffers.items():
-                    if buf is not None and buf.is_floating_point():
-                        module._buffers[name] = buf.to(plan.buffer_dtype)
-        refs = collect_params(model)
-        modules = unit_modules(model, plan.wrap)
-        owner = owners(model, modules, refs)
-        self.units = [Unit(i, m) for i, m in enumerate(modules)]
-        self.spaces = open_spaces(plan.offload, rank=mesh.rank)
-        per_unit, self.replicated = build_groups(refs, owner, len(self.units), plan, mesh, self.stats, self.spaces,
-                                                 self.device)
-        for unit, groups in zip(self.units, per_unit):
-            unit.groups = groups
-        self.groups = [g for u in self.units for g in u.groups] + self.replicated
-        self.unit_of = {id(g): u for u in self.units for g in u.groups}
-        self.trainable = [g for g in self.groups if g.plan.trainable]
-        swapper = None
-        if self.spaces.optimizer is not None:
-            swapper = StateSwapper(self.trainable, self.spaces.optimizer, plan.offload)
-        self.stepper = NativeStepper(plan, mesh, self.stats, self.trainable, swapper)
-        # The reduction order every rank follows: buckets whose earliest-registered
-        # parameter comes last are expected to finish first in backward.
-        order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
-                 for b in g.layout.buckets]
+        self._agree_on_values()
+        self._cut_units()
+        self.stepper = NativeStepper(plan, mesh, self.stats, self.trainable, self._swapper())
         self.streams = Streams(self.device)
-        self.reductions = ReductionQueue([(g, b) for g, b, _ in sorted(order, key=lambda item: -item[2])], self.streams)
+        self.reductions = ReductionQueue(self._reduction_order(), self.streams)
         # Side streams let the next unit's gather run beside this one's compute: prefetch it.
         self.forward_prefetch = plan.forward_prefetch or self.streams.overlaps
-        for group in self.groups:
-            group.restore()
-            for b, leaf in enumerate(group.leaves):
-                if group.plan.trainable:
-                    leaf.register_post_accumulate_grad_hook(self._bucket_hook(group, b))
-        self._install_hooks()
+        self._register_hooks()
         # Runtime state.
         self.window = AccumulationWindow(plan.accumulation_steps, plan.grad_sync)
         self.residency = Residency(self.groups, self.streams)
@@ -121,6 +93,53 @@ class Engine:
         self.backward_order: Order[Unit] = Order([])
         self.stats.reset()
         install_optimizer_hooks(self.stepper)
+
+    def _agree_on_values(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers, buffers in the plan's dtype."""
+        collectives.broadcast_module(self.model, 0, self.mesh.control, self.stats)
+        if self.plan.buffer_dtype is not None:
+            for module in self.model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None and buf.is_floating_point():
+                        module._buffers[name] = buf.to(self.plan.buffer_dtype)
+
+    def _cut_units(self) -> None:
+        """Cut the model into units and build each unit's flat groups (and the replicated groups)."""
+        refs = collect_params(self.model)
+        modules = unit_modules(self.model, self.plan.wrap)
+        owner = owners(self.model, modules, refs)
+        self.units = [Unit(i, m) for i, m in enumerate(modules)]
+        self.spaces = open_spaces(self.plan.offload, rank=self.mesh.rank)
+        per_unit, self.replicated = build_groups(refs, owner, len(self.units), self.plan, self.mesh, self.stats,
+                                                 self.spaces, self.device)
+        for unit, groups in zip(self.units, per_unit):
+            unit.groups = groups
+        self.groups = [g for u in self.units for g in u.groups] + self.replicated
+        self.unit_of = {id(g): u for u in self.units for g in u.groups}
+        self.trainable = [g for g in self.groups if g.plan.trainable]
+
+    def _swapper(self) -> StateSwapper | None:
+        """The streamed step of the nvme optimizer tier, when the spec asks for it."""
+        if self.spaces.optimizer is None:
+            return None
+        return StateSwapper(self.trainable, self.spaces.optimizer, self.plan.offload)
+
+    def _reduction_order(self) -> list[tuple[FlatGroup, int]]:
+        """The order every rank reduces buckets in: buckets whose earliest-registered parameter
+        comes last are expected to finish first in backward."""
+        order = [(g, b.index, min(g.refs[i].order for i in b.params)) for g in self.trainable
+                 for b in g.layout.buckets]
+        return [(g, b) for g, b, _ in sorted(order, key=lambda item: -item[2])]
+
+    def _register_hooks(self) -> None:
+        """Gradient hooks on every trainable bucket, forward hooks on every unit, and activation
+        checkpointing where the spec asks."""
+        for group in self.groups:
+            group.restore()
+            for b, leaf in enumerate(group.leaves):
+                if group.plan.trainable:
+                    leaf.register_post_accumulate_grad_hook(self._bucket_hook(group, b))
+        self._install_hooks()
 
     def _install_hooks(self) -> None:
         for unit in self.units:
@@ -147,14 +166,7 @@ class Engine:
     def _pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad = torch.is_grad_enabled()
         if unit.index == 0 and not self.window.in_backward:
-            if self.forward_order:
-                self.previous = Order(self.forward_order, {u: u.numel for u in self.forward_order})
-            self.forward_order, self.seen = [], set()
-            self.streams.begin_pass()
-            if self.plan.compute_dtype != torch.float32:
-                args, kwargs = cast_floats((args, kwargs), self.plan.compute_dtype)
-            for group in self.replicated:
-                group.install(mark_used=grad)
+            args, kwargs = self._root_pre_forward(args, kwargs, grad=grad)
         first = not self.window.in_backward and unit not in self.seen  # its first call in this forward
         if first:
             self.forward_order.append(unit)
@@ -179,16 +191,37 @@ class Engine:
         if not grad or (self.plan.sharding is ParamSharding.RESHARD_AFTER_FORWARD and not self._reused(unit)):
             self.residency.free(unit, unit.groups, keep_secondary=grad)
         if unit.index == 0:
-            for group in self.replicated:
-                group.restore()
-            if grad and self.stepper.scaler.enabled:
-                output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.stepper.scaler.scale)
-                                         if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
+            output = self._root_post_forward(output, grad=grad)
         if grad:
             hook = self._pre_backward_hook(unit)
             for tensor in pytree.tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(hook)
+        return output
+
+    def _root_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, grad: bool
+                          ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A forward pass begins (the root unit, outside a backward recomputation): remember the
+        last pass's unit order for prefetching, start a stream pass, cast the inputs to the compute
+        dtype and show the replicated groups' views."""
+        if self.forward_order:
+            self.previous = Order(self.forward_order, {u: u.numel for u in self.forward_order})
+        self.forward_order, self.seen = [], set()
+        self.streams.begin_pass()
+        if self.plan.compute_dtype != torch.float32:
+            args, kwargs = cast_floats((args, kwargs), self.plan.compute_dtype)
+        for group in self.replicated:
+            group.install(mark_used=grad)
+        return args, kwargs
+
+    def _root_post_forward(self, output: Any, *, grad: bool) -> Any:
+        """The forward pass ends: hide the replicated groups' views and scale the outputs' gradients
+        by the loss scale (fp16)."""
+        for group in self.replicated:
+            group.restore()
+        if grad and self.stepper.scaler.enabled:
+            output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.stepper.scaler.scale)
+                                     if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
         return output
 
     def _reused(self, unit: Unit) -> bool:

@@ -42,19 +42,8 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.layout import BucketLayout, GroupLayout
 from zerobridge.engine.mesh import Mesh
-from zerobridge.engine.offload import (
-    ON_DEVICE,
-    FileRegion,
-    Home,
-    HostRegion,
-    Placement,
-    Region,
-    Spaces,
-    place,
-    placeholder,
-    release,
-    reserve,
-)
+from zerobridge.engine.swapfile import FileRegion, HostRegion, Region
+from zerobridge.engine.tiers import ON_DEVICE, Home, Placement, Spaces, place, placeholder, release, reserve
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.wrap_units import ParamRef
 from zerobridge.spec import ParamSharding
@@ -148,7 +137,7 @@ class FlatGroup:
         self.used = torch.zeros(len(refs), dtype=torch.float32)
         self.optimizer_grads: torch.Tensor | None = None
         self.handed: list[bool] = []
-        """Used parameters at the last boundary (who gets an optimizer gradient, ``handing.py``)."""
+        """Used parameters at the last boundary (who gets an optimizer gradient, ``grad_store.py``)."""
         self.pending = False
         """Deferred gradients no step has consumed yet (``deferred_grads``)."""
 
@@ -162,7 +151,7 @@ class FlatGroup:
     @property
     def deferred_grads(self) -> bool:
         """The optimizer's gradients differ in dtype from the store: they are cast from it
-        at step time and dropped after the step, never kept beside it (``handing.py``)."""
+        at step time and dropped after the step, never kept beside it (``grad_store.py``)."""
         return self.plan.accumulate_dtype != self.plan.master_dtype and self.master_device == self.full.device
 
     @property
@@ -350,7 +339,7 @@ class FlatGroup:
 
     def after_step(self) -> Iterator[tuple[int, Pending]]:
         """Once the stepped values are in the compute parameters (``master.push_master``) and
-        the optimizer's gradients dropped (``handing.drop_grads``): drop the hpZ shard; replicated
+        the optimizer's gradients dropped (``grad_store.drop_grads``): drop the hpZ shard; replicated
         groups all-gather the updated pieces in place, yielding each gather in flight with its
         element count (the caller bounds how many are in flight)."""
         r = self.layout.shard_rank

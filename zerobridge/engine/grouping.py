@@ -17,8 +17,8 @@ import torch
 from zerobridge.engine.flat_group import FlatGroup, GroupPlan
 from zerobridge.engine.layout import plan_layout
 from zerobridge.engine.mesh import Mesh
-from zerobridge.engine.offload import ON_DEVICE, Home, Spaces
 from zerobridge.engine.plan import EnginePlan
+from zerobridge.engine.tiers import ON_DEVICE, Home, Spaces
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.wrap_units import ParamRef
 from zerobridge.spec import ParamSharding

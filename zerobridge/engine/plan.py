@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerobridge.engine.offload import OffloadPlan, check_offload, plan_offload
+from zerobridge.engine.tiers import OffloadPlan, check_offload, plan_offload
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.plan import RunPlan, hidden_size, plan_run, run_fields
 from zerobridge.spec import BackwardPrefetch, ParamSharding, StrategySpec, is_auto
@@ -54,7 +54,7 @@ class EnginePlan(RunPlan):
     max_live_parameters: int | None
     max_reuse_distance: int | None
     offload: OffloadPlan = OffloadPlan()
-    """Where master values, optimizer state and parameter shards live (``offload.py``)."""
+    """Where master values, optimizer state and parameter shards live (``tiers.py``)."""
 
     @property
     def replicas(self) -> int:

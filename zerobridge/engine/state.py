@@ -25,8 +25,9 @@ from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.layout import GroupLayout
 from zerobridge.engine.master import master_shard
 from zerobridge.engine.mesh import Mesh
-from zerobridge.engine.offload import ON_DEVICE, FileRegion, Placement
-from zerobridge.engine.swap import StateSwapper
+from zerobridge.engine.nvme_step import StateSwapper
+from zerobridge.engine.swapfile import FileRegion
+from zerobridge.engine.tiers import ON_DEVICE, Placement
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.tensors import storage_bytes
 

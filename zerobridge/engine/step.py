@@ -11,7 +11,7 @@ gradients (or hide them when the step must be skipped: fp16 overflow, or no
 accumulation boundary reached); after it they push the stepped master values
 into the compute parameters (and, replicated, all-gather them). With the
 optimizer tier on nvme the pre-hook itself steps the engine's parameters tile
-by tile (``swap.py``, calling the optimizer's own step without these hooks)
+by tile (``nvme_step.py``, calling the optimizer's own step without these hooks)
 and hides their gradients, so the user's ``step()`` moves only the others.
 """
 
@@ -26,11 +26,11 @@ import torch.distributed as dist
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.flat_group import FlatGroup
-from zerobridge.engine.handing import drop_grads, materialize_grads
+from zerobridge.engine.grad_store import drop_grads, materialize_grads
 from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.nvme_step import StateSwapper
 from zerobridge.engine.plan import EnginePlan
-from zerobridge.engine.swap import StateSwapper
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.loss_scale import LossScaler
 from zerobridge.runtime.step_rules import Hidden, apply_clip, hide_grads, norm_part, raw_step

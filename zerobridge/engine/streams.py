@@ -46,7 +46,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-__all__ = ["ROLES", "Role", "StreamBackend", "Streams", "backend_for"]
+__all__ = ["ROLES", "Role", "StreamBackend", "Streams", "stream_backend"]
 
 Role = Literal["gather", "reduce", "replicate"]
 ROLES: tuple[Role, ...] = ("gather", "reduce", "replicate")
@@ -108,7 +108,7 @@ class _Cuda:
             tensor.record_stream(stream)
 
 
-def backend_for(device: torch.device) -> StreamBackend | None:
+def stream_backend(device: torch.device) -> StreamBackend | None:
     """The stream primitives of ``device``, or ``None`` where work runs in order (CPU)."""
     if device.type == "cuda" and torch.cuda.is_available():
         return _Cuda(device)
@@ -119,7 +119,7 @@ class Streams:
     """One engine's side streams (``ROLES``) over the compute stream."""
 
     def __init__(self, device: torch.device) -> None:
-        self.backend = backend_for(device)
+        self.backend = stream_backend(device)
         self.side = {role: self.backend.new_stream(role) for role in ROLES} if self.backend else {}
 
     @property

@@ -102,7 +102,7 @@ def live_tensor_bytes() -> int:
             if type(obj) in (torch.Tensor, nn.Parameter) and not obj.is_meta:
                 storage = obj.untyped_storage()
                 seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        except Exception:  # noqa: BLE001 - some tensor subclasses have no storage
+        except Exception:
             continue
     seen.pop(0, None)
     return sum(seen.values())

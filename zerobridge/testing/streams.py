@@ -131,13 +131,13 @@ def recording() -> Iterator[list[tuple[Any, ...]]]:
     """Engines built inside run on a recording stream backend; yields the log."""
     log: list[tuple[Any, ...]] = []
     backend = RecordingBackend(log)
-    saved_backend = streams.backend_for
-    streams.backend_for = lambda device: backend  # type: ignore[assignment]
+    saved_backend = streams.stream_backend
+    streams.stream_backend = lambda device: backend  # type: ignore[assignment]
     try:
         with logging_collectives(log, backend.current):
             yield log
     finally:
-        streams.backend_for = saved_backend  # type: ignore[assignment]
+        streams.stream_backend = saved_backend  # type: ignore[assignment]
 
 
 def run_recorded(spec: Any, *, steps: int = 3, record: bool = True) -> dict[str, Any]:

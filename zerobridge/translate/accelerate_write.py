@@ -111,7 +111,7 @@ def write_accelerate_fsdp(spec: StrategySpec, *, fsdp_version: int = 2) -> Trans
             report.add("wrapping", Status.APPROXIMATED, "ZeRO-3 fetches every module on its own; the nearest FSDP "
                        "unit is one per transformer layer (_no_split_modules)", target=F + "fsdp_auto_wrap_policy")
     elif wrap_policy == "size":
-        fsdp["fsdp_auto_wrap_policy"], fsdp["fsdp_min_num_params"] = "SIZE_BASED_WRAP", getattr(w, "min_params")
+        fsdp["fsdp_auto_wrap_policy"], fsdp["fsdp_min_num_params"] = "SIZE_BASED_WRAP", w.min_params
     else:
         fsdp["fsdp_auto_wrap_policy"] = "NO_WRAP"
     fmt = spec.checkpoint.format

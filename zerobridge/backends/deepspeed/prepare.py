@@ -28,20 +28,18 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from zerobridge.backends.base import adopt_class, check_fresh, set_backend
+from zerobridge.backends.base import adopt_class, check_fresh, set_backend, start_run
 from zerobridge.backends.deepspeed.backend import DeepSpeedBackend
 from zerobridge.backends.deepspeed.config import build_config
 from zerobridge.backends.deepspeed.internals import recount_collectives
 from zerobridge.backends.deepspeed.materialize import Partitioner, compute_dtype, materialize_deepspeed, restore_masters
 from zerobridge.backends.deepspeed.step import DeepSpeedModule
-from zerobridge.distributed import init_distributed
 from zerobridge.errors import ConfigError
 from zerobridge.runtime import comm_stats
 from zerobridge.runtime.comm_stats import CommStats
-from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
+from zerobridge.runtime.deferred_init import Replay
 from zerobridge.runtime.plan import hidden_size
 from zerobridge.spec import StrategySpec
 
@@ -78,13 +76,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
         raise ConfigError(f"DeepSpeed is not importable ({exc})", key="backend",
                           fix="pip install deepspeed, or use backend='native'") from None
 
-    init_distributed(model, device)
-    if dist.get_world_size() == 1:  # one process without a launcher: DeepSpeed still asks for LOCAL_RANK
+    world, _ = start_run(model, replay, device)
+    if world == 1:  # one process without a launcher: DeepSpeed still asks for LOCAL_RANK
         os.environ.setdefault("LOCAL_RANK", "0")
-    if replay is not None:
-        assert device is not None, "a meta-device model names the device it materializes on"
-        replay_on_every_rank(replay, device)
-    plan = build_config(spec, world_size=dist.get_world_size(), allow_approximate=allow_approximate,
+    plan = build_config(spec, world_size=world, allow_approximate=allow_approximate,
                         hidden=hidden_size(model), accelerator=get_accelerator().device_name())
     bf16 = bool(plan.config["bf16"]["enabled"])
     # bf16: DeepSpeed builds its fp32 masters from the bf16 cast; keep the user's values to restore

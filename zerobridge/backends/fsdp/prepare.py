@@ -32,14 +32,11 @@ stay outside the graphs), then the stepper and its optimizer hooks.
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from zerobridge.backends.base import adopt_class, check_fresh, set_backend
+from zerobridge.backends.base import adopt_class, check_fresh, set_backend, start_run
 from zerobridge.backends.fsdp.apply import (
     apply_activation_checkpointing,
     apply_fully_shard,
@@ -55,12 +52,11 @@ from zerobridge.backends.fsdp.backend import FsdpBackend, ZeroFsdpModule
 from zerobridge.backends.fsdp.kwargs import device_mesh_from_form, fully_shard_kwargs
 from zerobridge.backends.fsdp.materialize import materialize_fsdp
 from zerobridge.backends.fsdp.step import FsdpStepper
-from zerobridge.distributed import init_distributed
 from zerobridge.errors import ConfigError
 from zerobridge.runtime import comm_stats
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.compile import apply_compile
-from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
+from zerobridge.runtime.deferred_init import Replay
 from zerobridge.runtime.plan import plan_run
 from zerobridge.runtime.step_rules import install_optimizer_hooks
 from zerobridge.spec import StrategySpec
@@ -84,12 +80,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     materialized on ``device`` with the eager values (``materialize.py``)."""
 
     _check_model(model, optimizer)
-    init_distributed(model, device)
-    if replay is not None:
-        assert device is not None, "a meta-device model names the device it materializes on"
-        replay_on_every_rank(replay, device)
-    world = dist.get_world_size()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    world, local_world = start_run(model, replay, device)
     plan = plan_run(spec, world_size=world)
     assessment = assess(spec, world_size=world, local_world_size=local_world,
                         accumulation_steps=plan.accumulation_steps)

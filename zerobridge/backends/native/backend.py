@@ -19,7 +19,7 @@ from zerobridge.backends.base import Backend
 from zerobridge.backends.native.checkpoint import load_native, save_native
 from zerobridge.backends.native.targets import engine_targets
 from zerobridge.engine import Engine
-from zerobridge.engine.access import refresh_compute
+from zerobridge.engine.local_runs import refresh_compute
 from zerobridge.engine.state import full_state_dict
 from zerobridge.pretrained.targets import Target
 

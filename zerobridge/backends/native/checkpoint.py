@@ -11,7 +11,7 @@ Writing, per parameter: each writer run (first replica) becomes boxes of
 ``model.<name>`` under every name of the parameter, and of each optimizer
 state tensor shaped like the parameter (``optim.state.<first name>.<key>``);
 0-d state (``step``) is a whole tensor that DCP writes once. Everything is
-read through ``zerobridge.engine.access`` when DCP asks for it. Rank 0 adds
+read through ``zerobridge.engine.local_runs`` when DCP asks for it. Rank 0 adds
 buffers, param groups, the loss scaler, skipped steps, the layout and the
 metadata; every rank its RNG states.
 
@@ -67,7 +67,8 @@ from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
 from zerobridge.checkpoint.rng import capture_rng, restore_rng
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, RunCache, write_checkpoint
-from zerobridge.engine.access import (
+from zerobridge.engine.engine import Engine
+from zerobridge.engine.local_runs import (
     LocalRun,
     local_runs,
     read_master,
@@ -76,7 +77,6 @@ from zerobridge.engine.access import (
     write_master,
     write_optimizer_state,
 )
-from zerobridge.engine.engine import Engine
 
 __all__ = ["load_native", "save_native"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zerobridge.engine.access import local_runs, refresh_compute, write_master
+from zerobridge.engine.local_runs import local_runs, refresh_compute, write_master
 from zerobridge.runtime.deferred_init import Replay
 
 if TYPE_CHECKING:

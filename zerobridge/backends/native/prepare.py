@@ -20,23 +20,20 @@ runs every spec exactly: ``allow_approximate`` has nothing to allow.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from zerobridge.backends.base import adopt_class, set_backend
+from zerobridge.backends.base import adopt_class, check_fresh, set_backend, start_run
 from zerobridge.backends.native.backend import NativeBackend
 from zerobridge.backends.native.materialize import materialize_engine
-from zerobridge.distributed import init_distributed
 from zerobridge.engine import Engine, plan_engine
 from zerobridge.engine.mesh import build_mesh
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.compile import apply_compile
-from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
+from zerobridge.runtime.deferred_init import Replay
 from zerobridge.spec import StrategySpec
 
 __all__ = ["ZeroModule", "prepare", "refuse_moving"]
@@ -91,12 +88,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     optimizer)`` with the optimizer's parameters replaced by the sharded ones (groups and
     hyperparameters kept). ``replay``: the model is on the meta device and materializes on
     ``device`` with the eager values. Collective."""
-    init_distributed(model, device)
-    if replay is not None:
-        assert device is not None, "a meta-device model names the device it materializes on"
-        replay_on_every_rank(replay, device)
-    world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_fresh(model, optimizer)
+    world, local = start_run(model, replay, device)
     plan = plan_engine(spec, model, world_size=world, local_world_size=local, device=device)
     mesh = build_mesh(shard_size=plan.shard_size, secondary_size=plan.secondary_size)
     engine = Engine(model, plan, mesh, device)

@@ -7,7 +7,7 @@
     [(('weight',), (2, 3), 0, 6), (('bias',), (2,), 0, 2)]
 
 Each run is written into the master elements wherever they live (device,
-host or nvme tier, ``engine/access.py``); ``refresh_compute`` then pushes the
+host or nvme tier, ``engine/local_runs.py``); ``refresh_compute`` then pushes the
 masters into the compute copies.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 
-from zerobridge.engine.access import local_runs, write_master
 from zerobridge.engine.engine import Engine
+from zerobridge.engine.local_runs import local_runs, write_master
 from zerobridge.pretrained.targets import Target, buffer_targets
 
 __all__ = ["engine_targets"]

@@ -1,7 +1,7 @@
 """The nvme optimizer tier: optimizer state (and master values kept in files)
 streamed through the step one tile at a time.
 
-    >>> from zerobridge.engine.swap import tiles
+    >>> from zerobridge.engine.nvme_step import tiles
     >>> tiles([5, 3, 12, 2, 2], cap=8)      # elements of each parameter's run
     [[0, 1], [2], [3, 4]]
 
@@ -31,7 +31,8 @@ from torch import nn
 
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.master import push_run
-from zerobridge.engine.offload import FileRegion, OffloadPlan, SwapSpace
+from zerobridge.engine.swapfile import FileRegion, SwapSpace
+from zerobridge.engine.tiers import OffloadPlan
 
 __all__ = ["StateSwapper", "tiles"]
 

@@ -2,7 +2,7 @@
 its master values and its optimizer state, wherever they live.
 
     >>> import torch, zerobridge
-    >>> from zerobridge.engine.access import local_runs
+    >>> from zerobridge.engine.local_runs import local_runs
     >>> model = zerobridge.prepare(torch.nn.Linear(3, 2), stage=3)
     >>> [(r.names, tuple(r.shape), r.start, r.numel, r.writer) for r in local_runs(model.zerobridge_engine)]
     [(('weight',), (2, 3), 0, 6, True), (('bias',), (2,), 0, 2, True)]
@@ -24,7 +24,7 @@ from torch import nn
 
 from zerobridge.engine import master
 from zerobridge.engine.flat_group import FlatGroup
-from zerobridge.engine.handing import drop_grads
+from zerobridge.engine.grad_store import drop_grads
 
 if TYPE_CHECKING:
     from zerobridge.engine.engine import Engine
