@@ -34,8 +34,8 @@ import torch.distributed as dist
 from zerobridge import env
 from zerobridge.errors import ConfigError
 
-__all__ = ["backend_for", "bind_device", "bound_device", "carries_host", "check_group_device", "group_timeout", "host_world",
-           "init_distributed", "launched", "run_device"]
+__all__ = ["backend_for", "bind_device", "bound_device", "carries_host", "check_group_device", "group_timeout",
+           "host_world", "init_distributed", "launched", "run_device"]
 
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 _HOST_WORLD: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, its gloo twin)

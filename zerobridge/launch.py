@@ -109,7 +109,8 @@ class _ScriptAction(argparse.Action):
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zerobridge run`` options, positionals last so script flags stay the script's."""
     parser.usage = ("%(prog)s [launcher options] [--config FILE | --stage {0,1,2,3} | --strategy NAME]\n"
-                    "       [--backend {native,fsdp,deepspeed}] [--allow-approximate] [--compile] [-m] script [args ...]")
+                    "       [--backend {native,fsdp,deepspeed}] [--allow-approximate] [--compile] [-m] "
+                    "script [args ...]")
     g = parser.add_argument_group("processes (passed to torchrun when given)")
     g.add_argument("--nproc", type=_nproc, metavar="N", help="workers per node (torchrun --nproc-per-node)")
     g.add_argument("--nnodes", type=_nnodes, metavar="N", help="nodes, or MIN:MAX for elastic jobs")

@@ -1,6 +1,6 @@
 """``zerobridge checkpoint ...``: look inside a checkpoint, or turn it into one safetensors file.
 
-    zerobridge checkpoint info ckpt/step-100                        # layout, tensors, optimizer, metadata; files verified
+    zerobridge checkpoint info ckpt/step-100                    # layout, tensors, optimizer, metadata; files verified
     zerobridge checkpoint info ckpt/step-100 --json
     zerobridge checkpoint consolidate ckpt/step-100 -o model.safetensors --dtype bf16
     zerobridge checkpoint import-deepspeed ds_ckpt/ -o ckpt/imported       # DeepSpeed ZeRO 1-3, optimizer state too

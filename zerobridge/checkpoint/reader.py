@@ -239,7 +239,8 @@ def open_checkpoint(path: str | Path, *, distributed: bool = False) -> Checkpoin
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
         ok = isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", "..")
-        if not ok or (listed is not None and name not in listed) or (listed is None and not (path / str(name)).is_file()):
+        if (not ok or (listed is not None and name not in listed)
+                or (listed is None and not (path / str(name)).is_file())):
             raise CheckpointError(f"points {getattr(index, 'fqn', index)!r} at {name!r}, which is not a "
                                   f"{'file the manifest lists' if listed is not None else 'file of this directory'}",
                                   source=path / METADATA_FILE, fix="restore the checkpoint from a good copy")

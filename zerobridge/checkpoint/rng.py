@@ -35,7 +35,8 @@ def _bits_float(bits: int) -> float:
 
 
 def capture_rng() -> dict[str, torch.Tensor]:
-    """This process's generator states: ``torch``, ``cuda`` (when initialized), ``python``, ``numpy`` (when importable)."""
+    """This process's generator states: ``torch``, ``cuda`` (when initialized), ``python``,
+    ``numpy`` (when importable)."""
     states = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         states["cuda"] = torch.cuda.get_rng_state()

@@ -39,7 +39,8 @@ from typing import Any
 from zerobridge.errors import ConfigError
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "aside_dir", "atomic_write_file", "checkpoint_kind",
-           "digest_files", "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files", "write_manifest"]
+           "digest_files", "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files",
+           "write_manifest"]
 
 MANIFEST = "zerobridge.json"
 FORMAT = "zerobridge-checkpoint"

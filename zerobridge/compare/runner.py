@@ -153,8 +153,8 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
                 reason = f"{exc.key}: {exc.message}" if exc.key else exc.message
                 skipped.append(Skipped(backend, stage, label, reason))
                 continue
-            runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage, tuple(e.key for e in found),
-                                formula_stage(backend, spec, found)))
+            runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage,
+                                tuple(e.key for e in found), formula_stage(backend, spec, found)))
     return runs, skipped
 
 

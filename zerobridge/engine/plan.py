@@ -132,6 +132,7 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
         persistence_threshold=_auto_size(comm.persistence_threshold, "communication.persistence_threshold", model,
                                          "10 x hidden", 10.0) or 0,
         model_persistence_threshold=comm.model_persistence_threshold,
-        overlap_reduce=comm.overlap_reduce, forward_prefetch=comm.forward_prefetch, backward_prefetch=comm.backward_prefetch,
+        overlap_reduce=comm.overlap_reduce, forward_prefetch=comm.forward_prefetch,
+        backward_prefetch=comm.backward_prefetch,
         max_inflight_gathers=comm.max_inflight_gathers, max_live_parameters=comm.max_live_parameters,
         max_reuse_distance=comm.max_reuse_distance, offload=offload)

@@ -117,7 +117,8 @@ class RunResult:
 
 
 def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: int = 8, accumulation: int = 1,
-                  clip: float | None = 1.0, dtype: str = "fp32", seed: int = 0, skip_steps: tuple[int, ...] = ()) -> RunResult:
+                  clip: float | None = 1.0, dtype: str = "fp32", seed: int = 0,
+                  skip_steps: tuple[int, ...] = ()) -> RunResult:
     """One process, the whole global batch: the numbers a sharded run must match.
 
     ``skip_steps``: steps that compute gradients but do not step (as in a run
