@@ -74,7 +74,7 @@ def group_timeout() -> datetime.timedelta:
         default = dist.distributed_c10d._get_default_group()
         for device in (torch.device("cpu"), torch.device("cuda")):
             try:
-                return default._get_backend(device).options._timeout  # type: ignore[attr-defined, no-any-return]
+                return default._get_backend(device).options._timeout
             except (RuntimeError, AttributeError):
                 continue
     return datetime.timedelta(seconds=600)

@@ -269,7 +269,7 @@ class FlatGroup:
                 if mark_used and view.requires_grad:
                     view.register_hook(self._used_hook(i))
                 for module, attr in self.refs[i].slots:
-                    module._parameters[attr] = view  # type: ignore[assignment]
+                    module._parameters[attr] = view
 
     def _used_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:

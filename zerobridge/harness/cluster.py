@@ -76,7 +76,7 @@ def _resolve(target: str) -> Callable[..., object]:
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def _exit_now(results: Queue[Any], code: int) -> NoReturn:

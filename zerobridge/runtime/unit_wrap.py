@@ -29,12 +29,12 @@ class _PostBackward(torch.autograd.Function):
     that is after the unit's own backward."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> Any:
         ctx.hook = hook
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.hook()
         return (None, *grads)
 

@@ -194,7 +194,7 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         opt = make_optimizer(list(model.named_parameters()), optimizer)
     if compile == "after":
         model = torch.compile(model)  # type: ignore[assignment]
-    result = RunResult(summary=model.zerobridge_engine.plan.spec.summary(),  # type: ignore[union-attr]
+    result = RunResult(summary=model.zerobridge_engine.plan.spec.summary(),
                        names=[n for n, _ in model.named_parameters(remove_duplicate=False)] + list(model.state_dict()))
     per_rank = global_batch // accumulation // world
     for step in range(steps):
@@ -206,7 +206,7 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
             tokens, targets = (t.to(device) for t in batch(step, micro, global_batch // accumulation))
             mine = slice(rank * per_rank, (rank + 1) * per_rank)
             quiet = accumulation_mode == "no_sync" and micro < accumulation - 1
-            with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+            with model.no_sync() if quiet else contextlib.nullcontext():
                 loss = model(tokens[mine], targets[mine])
                 if accumulation_mode != "spec":
                     loss = loss / accumulation

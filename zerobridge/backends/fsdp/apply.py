@@ -72,7 +72,7 @@ def apply_activation_checkpointing(model: nn.Module, wrap: WrapSpec) -> None:
     native engine does: the unit's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``."""
     units = unit_modules(model, wrap)
     for module in units[1:] or [model]:
-        module.forward = checkpointed(module.forward)  # type: ignore[method-assign]
+        module.forward = checkpointed(module.forward)
 
 
 @dataclass
