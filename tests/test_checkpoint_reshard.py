@@ -226,8 +226,8 @@ def test_keys_and_values_are_fsdp2s(saved: tuple[Path, list[Any]], fsdp2_saved: 
     with pytest.warns(UserWarning, match="has no zerobridge.json"):
         theirs = open_checkpoint(fsdp2_saved)
     ours = open_checkpoint(saved[0])
-    keys = {k for k in theirs.keys() if k.startswith(("model.", "optim."))}
-    assert {k for k in ours.keys() if k.startswith(("model.", "optim."))} == keys
+    keys = {k for k in theirs if k.startswith(("model.", "optim."))}
+    assert {k for k in ours if k.startswith(("model.", "optim."))} == keys
     for key in keys:
         a, b = ours.tensor(key), theirs.tensor(key)
         assert (a is None) == (b is None), key

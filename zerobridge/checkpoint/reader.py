@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,10 @@ class Checkpoint:
 
     def keys(self) -> list[str]:
         return list(self.metadata.state_dict_metadata)
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys, in the order ``keys()`` lists them: ``for key in ckpt`` as for a mapping."""
+        return iter(self.keys())
 
     def tensor(self, key: str) -> TensorStorageMetadata | None:
         md = self.metadata.state_dict_metadata.get(key)
