@@ -189,7 +189,7 @@ def _checked(spec: StrategySpec, out: dict[str, Any], report: Report, hint: str)
     done = [e.key for e in report.entries]
     for path, want, got in spec_diff(spec, back):
         if not any(path == k or path.startswith(k + ".") for k in done):
-            extra = next((h for p, h in _HINTS.items() if path.startswith(p)), "") if not hint else hint
+            extra = hint or next((h for p, h in _HINTS.items() if path.startswith(p)), "")
             report.add(path, Status.NOT_EXPRESSIBLE, join_notes(f"{want!r} has no form here; the config gives {got!r}",
                                                             extra))
     for fmt in spec.passthrough:
