@@ -35,7 +35,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -97,7 +97,7 @@ class _ScriptAction(argparse.Action):
     """
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: str | list[str] | None, option_string: str | None = None) -> None:
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
         words = [values] if isinstance(values, str) else list(values or [])
         if words[:1] == ["--"]:  # `zerobridge run --nproc 2 -- train.py ...`
             words = words[1:]

@@ -129,6 +129,7 @@ def _worker_main(
         if message[0] == "stop":
             break
         _, task_id, target, raw_kwargs = message
+        payload: bytes | str  # the pickled value, or the traceback of what was raised
         try:
             value = _resolve(target)(**pickle.loads(raw_kwargs))
             ok, payload = True, pickle.dumps(value)

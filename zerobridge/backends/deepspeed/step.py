@@ -198,12 +198,12 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         self.client = client
         self.defaults = client.defaults
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # read-only: the client's groups
         return self.client.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # read-only: the client's state
         return self.client.state
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
