@@ -14,6 +14,7 @@ Hugging Face model directory or a ``zerobridge.save_checkpoint`` directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -58,22 +59,20 @@ def main() -> None:
         print(f"loaded {report.loaded} tensors; rank 0 read {report.bytes_read / 2**20:.1f} MiB")
     data = SyntheticTokens(model.config.vocab_size, args.seq_len, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    log = open(args.log_file, "w") if args.log_file and rank == 0 else None
-    for step in range(args.steps):
-        x, y = (shard(t, rank, world) for t in data.batch(step, args.global_batch))
-        loss = model(x, targets=y)
-        loss.backward()
-        zerobridge.clip_grad_norm_(model, 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().reshape(1)
-        dist.all_reduce(mean)
-        if rank == 0:
-            print(f"step {step}  loss {mean.item() / world:.4f}")
-            if log:
-                log.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
-    if log:
-        log.close()
+    with open(args.log_file, "w") if args.log_file and rank == 0 else contextlib.nullcontext() as log:
+        for step in range(args.steps):
+            x, y = (shard(t, rank, world) for t in data.batch(step, args.global_batch))
+            loss = model(x, targets=y)
+            loss.backward()
+            zerobridge.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            mean = loss.detach().reshape(1)
+            dist.all_reduce(mean)
+            if rank == 0:
+                print(f"step {step}  loss {mean.item() / world:.4f}")
+                if log:
+                    log.write(json.dumps({"step": step, "loss": mean.item() / world}) + "\n")
     dist.destroy_process_group()
 
 

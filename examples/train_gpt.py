@@ -14,6 +14,7 @@ changes no line here. Global batch 8 of 16 tokens, split across ranks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -52,29 +53,27 @@ def main() -> None:
     summary = model.zerobridge_engine.plan.spec.summary()
     if rank == 0:
         print(f"{world} rank(s): {summary}")
-    log = open(args.log_file, "w") if args.log_file and rank == 0 else None
-    for step in range(args.steps):
-        zerobridge.reset_stats(model)
-        x, y = (shard(t, rank, world) for t in data.batch(step, args.global_batch))
-        loss = model(x, targets=y)
-        loss.backward()
-        norm = zerobridge.clip_grad_norm_(model, 1.0)
-        optimizer.step()
-        stats = zerobridge.stats(model)
-        optimizer.zero_grad()
-        mean = loss.detach().reshape(1)
-        dist.all_reduce(mean)
-        record = {"step": step, "loss": mean.item() / world, "grad_norm": norm.item(),
-                  "model_state_bytes": stats["param_bytes"] + stats["grad_bytes"] + stats["optimizer_bytes"],
-                  "comm_bytes": sum(stats["comm_bytes"].values()), "strategy": summary}
-        if rank == 0:
-            print(f"step {step:3d}  loss {record['loss']:.4f}  grad norm {record['grad_norm']:.3f}  "
-                  f"model state {record['model_state_bytes'] / 2**20:.2f} MiB/rank  "
-                  f"comm {record['comm_bytes'] / 2**20:.2f} MiB/step")
-            if log:
-                log.write(json.dumps(record) + "\n")
-    if log:
-        log.close()
+    with open(args.log_file, "w") if args.log_file and rank == 0 else contextlib.nullcontext() as log:
+        for step in range(args.steps):
+            zerobridge.reset_stats(model)
+            x, y = (shard(t, rank, world) for t in data.batch(step, args.global_batch))
+            loss = model(x, targets=y)
+            loss.backward()
+            norm = zerobridge.clip_grad_norm_(model, 1.0)
+            optimizer.step()
+            stats = zerobridge.stats(model)
+            optimizer.zero_grad()
+            mean = loss.detach().reshape(1)
+            dist.all_reduce(mean)
+            record = {"step": step, "loss": mean.item() / world, "grad_norm": norm.item(),
+                      "model_state_bytes": stats["param_bytes"] + stats["grad_bytes"] + stats["optimizer_bytes"],
+                      "comm_bytes": sum(stats["comm_bytes"].values()), "strategy": summary}
+            if rank == 0:
+                print(f"step {step:3d}  loss {record['loss']:.4f}  grad norm {record['grad_norm']:.3f}  "
+                      f"model state {record['model_state_bytes'] / 2**20:.2f} MiB/rank  "
+                      f"comm {record['comm_bytes'] / 2**20:.2f} MiB/step")
+                if log:
+                    log.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
 
 

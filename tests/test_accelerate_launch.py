@@ -86,8 +86,8 @@ def test_corpus_files_launch(path: Path, target: str, tmp_path: Path, monkeypatc
     check(spec, target, tmp_path, monkeypatch)
 
 
-def test_without_a_world_size_accelerate_refuses_and_the_report_says_which_flag(tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_world_size_accelerate_refuses_and_the_report_says_which_flag(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     translation = write_accelerate_fsdp(load_spec("zero3").value)
     entry = translation.report.find("sharding.world_size")
     assert entry is not None and "--world-size N" in entry.note and "--num_processes N" in entry.note

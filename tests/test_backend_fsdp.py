@@ -229,7 +229,8 @@ def test_what_fsdp2_cannot_express_is_refused_with_the_fix(cluster: Cluster) -> 
         "stage2": spec_for_stage(2).model_dump(mode="json"),
         "params only": with_(STAGE3, offload=OffloadSpec.model_validate({"parameters": cpu}).model_dump(mode="json")),
         "optimizer only": with_(STAGE3, offload=OffloadSpec.model_validate({"optimizer": cpu}).model_dump(mode="json")),
-        "nvme": with_(STAGE3, offload=OffloadSpec.model_validate({"optimizer": nvme, "parameters": nvme}).model_dump(mode="json")),
+        "nvme": with_(STAGE3, offload=OffloadSpec.model_validate({"optimizer": nvme, "parameters": nvme})
+                      .model_dump(mode="json")),
     }
     messages = cluster.run(f"{RUN}:refusals", specs=specs)[0]
     assert isinstance(messages, dict)
@@ -288,8 +289,8 @@ def test_accumulation_follows_the_native_rule(cluster: Cluster, stage: int, ever
 @pytest.mark.distributed
 def test_cpu_offload_of_both_tiers(cluster: Cluster) -> None:
     cpu = {"device": "cpu", "pin_memory": False}
-    results = cluster.run(TRAIN, backend="fsdp",
-                          spec=with_(STAGE3, offload=OffloadSpec.model_validate({"optimizer": cpu, "parameters": cpu}).model_dump(mode="json")))
+    offload = OffloadSpec.model_validate({"optimizer": cpu, "parameters": cpu}).model_dump(mode="json")
+    results = cluster.run(TRAIN, backend="fsdp", spec=with_(STAGE3, offload=offload))
     assert_parity(results, reference())
     tiers = results[0].stats[-1]["tier_bytes"]  # type: ignore[attr-defined]
     assert tiers["device"] == 0 and tiers["host"] > 0 and tiers["nvme"] == 0
@@ -313,7 +314,8 @@ def test_bf16_compute_with_fp32_master_weights(cluster: Cluster) -> None:
 def test_fp16_loss_scaling_follows_the_native_scaler(cluster: Cluster) -> None:
     """An initial scale of 2^20 overflows: both backends skip the same steps and move the scale alike."""
     scaling = DynamicLossScale(initial_scale=2.0**20, growth_interval=3)
-    spec = with_(STAGE3, precision=PrecisionSpec.model_validate({"param_dtype": "fp16", "loss_scaling": scaling}).model_dump(mode="json"))
+    precision = PrecisionSpec.model_validate({"param_dtype": "fp16", "loss_scaling": scaling}).model_dump(mode="json")
+    spec = with_(STAGE3, precision=precision)
     fsdp, native = cluster.run(TRAIN, backend="fsdp", spec=spec)[0], cluster.run(TRAIN, backend="native", spec=spec)[0]
     assert isinstance(fsdp, BackendRun) and isinstance(native, RunResult)
     assert [s["loss_scale"] for s in fsdp.stats] == [s["loss_scale"] for s in native.stats]

@@ -148,7 +148,8 @@ def single_process_state(steps: int) -> Any:
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return PortableState(model=model.state_dict(), optimizer={names[id(p)]: dict(s) for p, s in optimizer.state.items()},
+    return PortableState(model=model.state_dict(),
+                         optimizer={names[id(p)]: dict(s) for p, s in optimizer.state.items()},
                          param_groups=groups, metadata={"step": steps, "note": "unit"})
 
 
@@ -188,7 +189,8 @@ def test_saving_run_matches_the_reference(saved: tuple[Path, list[Any]]) -> None
     (1, 0, None), (4, 1, None), (2, 2, None), (4, None, HYBRID),
 ], ids=["world1-stage0", "world4-stage1", "world2-stage2", "world4-hybrid2x2"])
 def test_resume_anywhere_continues_the_uninterrupted_run(clusters: dict[int, Cluster], saved: tuple[Path, list[Any]],
-                                                         world: int, stage: int | None, spec: StrategySpec | None) -> None:
+                                                         world: int, stage: int | None,
+                                                         spec: StrategySpec | None) -> None:
     path, before = saved
     results: list[Any] = clusters[world].run(f"{ME}:resume", path=str(path), stage=stage, spec=spec)
     assert_losses(results[0]["losses"], reference()[SAVED_AT:])
@@ -224,8 +226,8 @@ def test_keys_and_values_are_fsdp2s(saved: tuple[Path, list[Any]], fsdp2_saved: 
     with pytest.warns(UserWarning, match="has no zerobridge.json"):
         theirs = open_checkpoint(fsdp2_saved)
     ours = open_checkpoint(saved[0])
-    keys = {k for k in theirs.keys() if k.startswith(("model.", "optim."))}
-    assert {k for k in ours.keys() if k.startswith(("model.", "optim."))} == keys
+    keys = {k for k in theirs if k.startswith(("model.", "optim."))}
+    assert {k for k in ours if k.startswith(("model.", "optim."))} == keys
     for key in keys:
         a, b = ours.tensor(key), theirs.tensor(key)
         assert (a is None) == (b is None), key

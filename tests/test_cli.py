@@ -11,7 +11,8 @@ import pytest
 
 from zerobridge.cli import main
 
-DS_ZERO3 = '{\n  // a DeepSpeed config\n  "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},\n  "bf16": {"enabled": true},\n}\n'
+DS_ZERO3 = ('{\n  // a DeepSpeed config\n  "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},\n'
+            '  "bf16": {"enabled": true},\n}\n')
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

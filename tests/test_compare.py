@@ -42,7 +42,8 @@ def outcome(name: str, losses: list[float], norms: list[float] | None = None, *,
 
 def comparison(*runs: RunOutcome, tolerance: float = 1e-5) -> Comparison:
     return Comparison(runs=list(runs), skipped=[Skipped("fsdp", 1, "stage1", "ZeRO-1 has no FSDP form")],
-                      tolerance=tolerance, norm_tolerance=10 * tolerance, model="tiny-gpt", params=1000, world_size=2, steps=3)
+                      tolerance=tolerance, norm_tolerance=10 * tolerance, model="tiny-gpt", params=1000, world_size=2,
+                      steps=3)
 
 
 # --- judging --------------------------------------------------------------------------------------------

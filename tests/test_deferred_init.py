@@ -189,7 +189,7 @@ def test_meta_materializes_into_offload_tiers(clusters: dict[int, Cluster], tmp_
     want = eager_state("parity")
     for result in clusters[2].run(META, model="parity", spec=spec):
         if precision:  # full state is the fp32 master
-            want = {k: v for k, v in want.items()}
+            want = dict(want)
         assert_same(result["state"], want)
 
 

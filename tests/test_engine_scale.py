@@ -86,7 +86,7 @@ def train_peft_llama(steps: int = 3) -> list[float]:
         model, optimizer = zerobridge.prepare(model, optimizer, stage=3)
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(0))  # one batch, learned
         mine = ids[rank * 4 // world:(rank + 1) * 4 // world]
         loss = model(input_ids=mine, labels=mine).loss

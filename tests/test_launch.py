@@ -71,9 +71,9 @@ def test_encode_each_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert encode_choice(config="cfg/ds.json", stage=None, strategy=None) == f"config:{tmp_path / 'cfg' / 'ds.json'}"
 
 
-@pytest.mark.parametrize("kwargs", [dict(config="a.json", stage=1, strategy=None),
-                                    dict(config=None, stage=2, strategy="zero3"),
-                                    dict(config="a.json", stage=None, strategy="zero3")])
+@pytest.mark.parametrize("kwargs", [{"config": "a.json", "stage": 1, "strategy": None},
+                                    {"config": None, "stage": 2, "strategy": "zero3"},
+                                    {"config": "a.json", "stage": None, "strategy": "zero3"}])
 def test_encode_rejects_two_choices(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="choose one of --config, --stage and --strategy"):
         encode_choice(**kwargs)  # type: ignore[arg-type]
@@ -108,7 +108,7 @@ def test_decode_rejects_bad_values(value: str) -> None:
         decode_choice(value)
 
 
-@pytest.mark.parametrize("kwargs", [dict(stage=1), dict(strategy="zero3"), dict(config="/tmp/x.yaml")])
+@pytest.mark.parametrize("kwargs", [{"stage": 1}, {"strategy": "zero3"}, {"config": "/tmp/x.yaml"}])
 def test_encode_decode_round_trip(kwargs: dict[str, object]) -> None:
     full: dict[str, object] = {"config": None, "stage": None, "strategy": None, **kwargs}
     encoded = encode_choice(**full)  # type: ignore[arg-type]

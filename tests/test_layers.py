@@ -164,9 +164,9 @@ def layer_of(module: str, layers: list[list[str]]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for index, layer in enumerate(layers):
         for prefix in layer:
-            if module == prefix or ("." in prefix and module.startswith(prefix + ".")):
-                if best is None or len(prefix) > len(best[1]):
-                    best = (index, prefix)
+            names_it = module == prefix or ("." in prefix and module.startswith(prefix + "."))
+            if names_it and (best is None or len(prefix) > len(best[1])):
+                best = (index, prefix)
     return best
 
 

@@ -62,7 +62,8 @@ _BACKENDS: dict[str, Callable[..., Prepared]] = {
 def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
                  config: str | Path | dict[str, Any] | StrategySpec | None) -> StrategySpec:
     """The spec the arguments (or ``ZEROBRIDGE_CONFIG``) name."""
-    given = [name for name, value in (("stage", stage), ("strategy", strategy), ("config", config)) if value is not None]
+    given = [name for name, value in (("stage", stage), ("strategy", strategy), ("config", config))
+             if value is not None]
     if len(given) > 1:
         raise ConfigError(f"prepare() got {' and '.join(given)}: name the strategy once",
                           key=given[1], fix=f"pass only {given[0]}=")

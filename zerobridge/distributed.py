@@ -34,8 +34,8 @@ import torch.distributed as dist
 from zerobridge import env
 from zerobridge.errors import ConfigError
 
-__all__ = ["backend_for", "bind_device", "bound_device", "carries_host", "check_group_device", "group_timeout", "host_world",
-           "init_distributed", "launched", "run_device"]
+__all__ = ["backend_for", "bind_device", "bound_device", "carries_host", "check_group_device", "group_timeout",
+           "host_world", "init_distributed", "launched", "run_device"]
 
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 _HOST_WORLD: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, its gloo twin)
@@ -74,7 +74,7 @@ def group_timeout() -> datetime.timedelta:
         default = dist.distributed_c10d._get_default_group()
         for device in (torch.device("cpu"), torch.device("cuda")):
             try:
-                return default._get_backend(device).options._timeout  # type: ignore[attr-defined, no-any-return]
+                return default._get_backend(device).options._timeout
             except (RuntimeError, AttributeError):
                 continue
     return datetime.timedelta(seconds=600)

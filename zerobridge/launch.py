@@ -35,7 +35,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -97,7 +97,7 @@ class _ScriptAction(argparse.Action):
     """
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: str | list[str] | None, option_string: str | None = None) -> None:
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
         words = [values] if isinstance(values, str) else list(values or [])
         if words[:1] == ["--"]:  # `zerobridge run --nproc 2 -- train.py ...`
             words = words[1:]
@@ -109,7 +109,8 @@ class _ScriptAction(argparse.Action):
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zerobridge run`` options, positionals last so script flags stay the script's."""
     parser.usage = ("%(prog)s [launcher options] [--config FILE | --stage {0,1,2,3} | --strategy NAME]\n"
-                    "       [--backend {native,fsdp,deepspeed}] [--allow-approximate] [--compile] [-m] script [args ...]")
+                    "       [--backend {native,fsdp,deepspeed}] [--allow-approximate] [--compile] [-m] "
+                    "script [args ...]")
     g = parser.add_argument_group("processes (passed to torchrun when given)")
     g.add_argument("--nproc", type=_nproc, metavar="N", help="workers per node (torchrun --nproc-per-node)")
     g.add_argument("--nnodes", type=_nnodes, metavar="N", help="nodes, or MIN:MAX for elastic jobs")

@@ -74,7 +74,11 @@ class Backend(ABC):
                               "prepare (model.load_state_dict)")
 
     def after_pretrained(self) -> None:
-        """After ``load_pretrained`` wrote the targets: make every copy follow. Collective."""
+        """After ``load_pretrained`` wrote the targets: make every copy follow. Collective.
+
+        A hook with a default, not an abstract method: a backend whose targets are the only copy
+        of each value has nothing to follow, so the default does nothing."""
+        return None
 
 
 def keep_where_asked(state: dict[str, torch.Tensor], *, rank0_only: bool, offload_to_cpu: bool

@@ -1,6 +1,6 @@
 """``zerobridge checkpoint ...``: look inside a checkpoint, or turn it into one safetensors file.
 
-    zerobridge checkpoint info ckpt/step-100                        # layout, tensors, optimizer, metadata; files verified
+    zerobridge checkpoint info ckpt/step-100                    # layout, tensors, optimizer, metadata; files verified
     zerobridge checkpoint info ckpt/step-100 --json
     zerobridge checkpoint consolidate ckpt/step-100 -o model.safetensors --dtype bf16
     zerobridge checkpoint import-deepspeed ds_ckpt/ -o ckpt/imported       # DeepSpeed ZeRO 1-3, optimizer state too
@@ -56,7 +56,7 @@ def describe(path: str | Path) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unverified case is reported below instead
         ckpt = open_checkpoint(path)
-    model = {k: md for k in ckpt.keys() if k.startswith("model.") and (md := ckpt.tensor(k)) is not None}
+    model = {k: md for k in ckpt if k.startswith("model.") and (md := ckpt.tensor(k)) is not None}
     dtypes: dict[str, int] = {}
     for md in model.values():
         name = str(md.properties.dtype).removeprefix("torch.")
@@ -66,7 +66,7 @@ def describe(path: str | Path) -> dict[str, Any]:
     step_key = next((k for entries in states.values() for n, k in entries.items()
                      if n == "step" and ckpt.tensor(k) is not None), None)
     layout = ckpt.read_bytes([LAYOUT_KEY])[LAYOUT_KEY] if ckpt.is_bytes(LAYOUT_KEY) else None
-    ranks = {k.split(".")[2] for k in ckpt.keys() if k.startswith("zerobridge.rng.")}
+    ranks = {k.split(".")[2] for k in ckpt if k.startswith("zerobridge.rng.")}
     files = ckpt.manifest["files"] if ckpt.manifest is not None else {}
     info: dict[str, Any] = {
         "path": str(ckpt.path),

@@ -54,7 +54,12 @@ if TYPE_CHECKING:
 __all__ = ["import_deepspeed_checkpoint"]
 
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_KNOWN_MODEL_KEYS = frozenset(["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts", "ds_autoep_layers"])
+_KNOWN_MODEL_KEYS = frozenset([
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers"])
 _CONVERT_FIX = ("load it in DeepSpeed on a plain data-parallel ZeRO 1-3 run (a universal checkpoint lets the "
                 "parallelism change), save_checkpoint, and import that")
 _RESAVE_FIX = "the files come from different saves or an interrupted copy: copy the whole tag directory again"
@@ -129,8 +134,8 @@ def _optim_files(tag_dir: Path) -> dict[int, Path]:
         ((tag_dir / "zero").is_dir(), "a universal checkpoint (per-parameter folders under zero/)"),
         ((tag_dir / "offloaded_tensors").is_dir(), "optimizer state offloaded to NVMe (offloaded_tensors/)"),
         (any(n.startswith("layer_") for n in names), "a pipeline-parallel checkpoint (layer_*-model_states.pt)"),
-        (any(m.group(1) != "00" for n in names if (m := re.search(r"mp_rank_(\d+)", n))), "a tensor-parallel checkpoint "
-         "(files with mp_rank other than 00)"),
+        (any(m.group(1) != "00" for n in names if (m := re.search(r"mp_rank_(\d+)", n))),
+         "a tensor-parallel checkpoint (files with mp_rank other than 00)"),
         (any(n.startswith("expp_rank_") or "_expert_" in n for n in names), "a mixture-of-experts checkpoint")]:
         if refused:
             raise ConfigError(f"{what}: not supported", source=tag_dir, fix=_CONVERT_FIX)

@@ -91,7 +91,7 @@ def consolidate(path: str | Path, output: str | Path, *, dtype: torch.dtype | No
     safetensors file; no process group needed. Returns the names written."""
     _check_output(Path(output))
     ckpt = open_checkpoint(path)
-    keys = [k for k in ckpt.keys() if k.startswith("model.") and ckpt.tensor(k) is not None]
+    keys = [k for k in ckpt if k.startswith("model.") and ckpt.tensor(k) is not None]
     if not keys:
         raise CheckpointError("holds no model.* tensors", source=ckpt.source,
                               fix="consolidate a checkpoint saved with a model (zerobridge.save_checkpoint or "

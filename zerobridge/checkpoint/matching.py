@@ -40,7 +40,7 @@ def optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, str]) ->
 def state_keys(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
     """``{fqn: {state key: checkpoint key}}`` from the recorded paths (or the keys' last dot)."""
     found: dict[str, dict[str, str]] = {}
-    for key in ckpt.keys():
+    for key in ckpt:
         path = ckpt.paths.get(key)
         if path is not None and len(path) == 4 and path[:2] == ("optim", "state"):
             found.setdefault(str(path[2]), {})[str(path[3])] = key
@@ -53,7 +53,7 @@ def state_keys(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
 def group_keys(ckpt: Checkpoint) -> dict[int, dict[str, str]]:
     """``{group index: {hyperparameter: checkpoint key}}``."""
     found: dict[int, dict[str, str]] = {}
-    for key in ckpt.keys():
+    for key in ckpt:
         path = ckpt.paths.get(key)
         parts = key.split(".", 3)
         if path is None and key.startswith("optim.param_groups.") and len(parts) == 4 and parts[2].isdigit():
@@ -124,7 +124,7 @@ def check_model(ckpt: Checkpoint, params: list[tuple[tuple[str, ...], tuple[int,
                                   source=ckpt.source, key=model_key(name),
                                   fix="load into the model architecture that saved it")
     known = {model_key(n) for names, _ in params for n in names} | {model_key(n) for n in buffers}
-    unexpected = sorted(k for k in ckpt.keys() if k.startswith("model.") and k not in known)
+    unexpected = sorted(k for k in ckpt if k.startswith("model.") and k not in known)
     if strict and (missing or unexpected):
         parts = ([f"missing {len(missing)}: {', '.join(missing[:5])}"] if missing else []) + \
                 ([f"unexpected {len(unexpected)}: {', '.join(unexpected[:5])}"] if unexpected else [])

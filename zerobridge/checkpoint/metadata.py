@@ -50,7 +50,7 @@ def saved_ranks(ckpt: Checkpoint) -> dict[int, dict[str, str]]:
     """Saved rank -> {RNG name: key} of the per-rank RNG states in ``ckpt``."""
     ranks: dict[int, dict[str, str]] = {}
     prefix = f"{ZB}.rng."
-    for key in ckpt.keys():
+    for key in ckpt:
         if key.startswith(prefix) and ckpt.tensor(key) is not None:
             rank, _, name = key[len(prefix):].partition(".")
             if rank.isdigit():

@@ -92,7 +92,7 @@ def read_portable(path: str | Path, *, optimizer: bool = True) -> PortableState:
 def portable_from(ckpt: Checkpoint, *, optimizer: bool = True) -> PortableState:
     """``read_portable`` on a checkpoint already opened (and verified)."""
     state = PortableState(metadata=user_metadata(ckpt))
-    state.model = {key[len("model."):]: ckpt.full(key) for key in ckpt.keys()
+    state.model = {key[len("model."):]: ckpt.full(key) for key in ckpt
                    if key.startswith("model.") and ckpt.tensor(key) is not None}
     if not optimizer:
         return state

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,10 @@ class Checkpoint:
 
     def keys(self) -> list[str]:
         return list(self.metadata.state_dict_metadata)
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys, in the order ``keys()`` lists them: ``for key in ckpt`` as for a mapping."""
+        return iter(self.keys())
 
     def tensor(self, key: str) -> TensorStorageMetadata | None:
         md = self.metadata.state_dict_metadata.get(key)
@@ -239,7 +244,8 @@ def open_checkpoint(path: str | Path, *, distributed: bool = False) -> Checkpoin
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
         ok = isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", "..")
-        if not ok or (listed is not None and name not in listed) or (listed is None and not (path / str(name)).is_file()):
+        if (not ok or (listed is not None and name not in listed)
+                or (listed is None and not (path / str(name)).is_file())):
             raise CheckpointError(f"points {getattr(index, 'fqn', index)!r} at {name!r}, which is not a "
                                   f"{'file the manifest lists' if listed is not None else 'file of this directory'}",
                                   source=path / METADATA_FILE, fix="restore the checkpoint from a good copy")

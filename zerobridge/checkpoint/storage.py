@@ -39,7 +39,8 @@ from typing import Any
 from zerobridge.errors import ConfigError
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "aside_dir", "atomic_write_file", "checkpoint_kind",
-           "digest_files", "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files", "write_manifest"]
+           "digest_files", "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files",
+           "write_manifest"]
 
 MANIFEST = "zerobridge.json"
 FORMAT = "zerobridge-checkpoint"
@@ -226,7 +227,7 @@ def recover(path: Path) -> str | None:
     return f"restored the previous checkpoint from {aside.name} (a save was interrupted)"
 
 
-def atomic_write_file(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write_file(path: Path, write: Callable[[Path], object]) -> None:
     """``write(tmp)`` into a sibling temporary file, fsync, rename over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.saving"

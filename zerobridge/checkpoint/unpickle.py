@@ -77,7 +77,8 @@ def read_metadata(stream: IO[bytes], source: str) -> Metadata:
     except _Refused as exc:
         raise CheckpointError(f"refuses to unpickle {exc}: DCP metadata holds only metadata classes, sizes and "
                               "dtypes, so this file was altered or is not a DCP checkpoint", source=source,
-                              fix="restore the checkpoint from a trusted copy; never load it with plain pickle") from None
+                              fix="restore the checkpoint from a trusted copy; "
+                                  "never load it with plain pickle") from None
     except Exception as exc:  # truncated or garbage: pickle raises many kinds
         raise CheckpointError(f"cannot read the DCP metadata ({type(exc).__name__}: {exc})", source=source,
                               fix="the file is damaged: restore the checkpoint from a good copy") from None

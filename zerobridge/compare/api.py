@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from zerobridge.compare.report import Comparison, compute_dtype, relative
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
@@ -29,6 +30,8 @@ from zerobridge.spec import ShardingSpec, StrategySpec
 __all__ = ["Plan", "compare", "plan", "run_plan"]
 
 STAGES = (0, 1, 2, 3)
+OptimizerKind = Literal["adam", "sgd"]
+"""The optimizers the ZeRO formulas know (``explain``'s ``optimizer``)."""
 
 
 def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: int, tolerance: float | None,
@@ -51,7 +54,7 @@ def _check(stages: Sequence[int], backends: Sequence[str], nproc: int, steps: in
             raise ConfigError(f"{flag} {value}: must be a non-negative number", key=flag)
 
 
-def _optimizer_kind(optimizer: object) -> str | None:
+def _optimizer_kind(optimizer: object) -> OptimizerKind | None:
     import torch
 
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -68,7 +71,7 @@ class Plan:
     comparison: Comparison
     """Empty runs; the skipped pairs filled in."""
     runs: list[Planned]
-    optimizer: str | None
+    optimizer: OptimizerKind | None
     """``adam`` or ``sgd`` (with momentum) for the ZeRO formulas; None for other optimizers."""
     model: str
     global_batch: int | None
@@ -107,7 +110,7 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
     return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, exact_only)
 
 
-def _formulas(outcome: RunOutcome, params: int, optimizer: str | None) -> None:
+def _formulas(outcome: RunOutcome, params: int, optimizer: OptimizerKind | None) -> None:
     if optimizer is None:
         return
     spec, stage = outcome.planned.spec, outcome.planned.formula_stage

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # registering the subcommand stays torch-free
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``compare`` on the top-level parser's subcommands."""
     c = sub.add_parser(
         "compare", help="train the same model on several stages and backends and check they agree",

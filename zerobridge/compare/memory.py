@@ -23,7 +23,7 @@ counted once, under the first role that claims it.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ def live_by_role(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """Bytes of live storages on this process by role: ``params``, ``grads``, ``optimizer``, ``other``."""
     params = list(model.parameters())
     state = getattr(optimizer, "client", optimizer)  # zerobridge's DeepSpeed wrapper steps its client
-    roles = {
+    roles: dict[str, Sequence[torch.Tensor]] = {
         "params": params,
         "grads": [p.grad for p in params if p.grad is not None],
         "optimizer": [*(_tensors(dict(state.state))),

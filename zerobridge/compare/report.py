@@ -231,7 +231,8 @@ class Comparison:
         return {
             "ok": self.ok, "max_loss_deviation": _finite(self.max_deviation()),
             "max_grad_norm_deviation": _finite(self.max_deviation("grad_norm")),
-            "tolerance": self.tolerance, "norm_tolerance": self.norm_tolerance, "reference": ref.planned.name if ref else None,
+            "tolerance": self.tolerance, "norm_tolerance": self.norm_tolerance,
+            "reference": ref.planned.name if ref else None,
             "tolerances": {d: {"loss": t.loss, "grad_norm": t.grad_norm, "source": t.source}
                            for d, t in self.tolerances.items()},
             "model": self.model, "params": self.params, "world_size": self.world_size, "steps": self.steps,

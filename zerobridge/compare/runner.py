@@ -153,8 +153,8 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
                 reason = f"{exc.key}: {exc.message}" if exc.key else exc.message
                 skipped.append(Skipped(backend, stage, label, reason))
                 continue
-            runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage, tuple(e.key for e in found),
-                                formula_stage(backend, spec, found)))
+            runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage,
+                                tuple(e.key for e in found), formula_stage(backend, spec, found)))
     return runs, skipped
 
 
@@ -219,10 +219,10 @@ def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, se
     for index, run in enumerate(runs):
         start = time.perf_counter()
         log = logs / run.name.replace("/", "-")
-        kwargs: dict[str, Any] = dict(log=str(log), model=model, global_batch=global_batch, seq_len=seq_len,
-                                      choice=_choice(run),
-                                      backend=run.backend, steps=steps, seed=seed, clip=clip,
-                                      allow_approximate=allow_approximate)
+        kwargs: dict[str, Any] = {"log": str(log), "model": model, "global_batch": global_batch, "seq_len": seq_len,
+                                  "choice": _choice(run),
+                                  "backend": run.backend, "steps": steps, "seed": seed, "clip": clip,
+                                  "allow_approximate": allow_approximate}
         try:
             with Cluster(world_size, timeout_s=timeout_s, backend=group, env=worker_env()) as cluster:
                 records = cluster.run("zerobridge.compare.worker:train", **kwargs)

@@ -78,7 +78,8 @@ def _check_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     device or use a gloo group (``zerobridge.distributed.host_world``)."""
     if tensor.device.type == "cpu" and not carries_host(group):
         raise RuntimeError(f"a CPU tensor was handed to a {dist.get_backend_config(group)} group, which has no "
-                           "CPU path: stage it on the device first, or use a gloo group (zerobridge.distributed.host_world)")
+                           "CPU path: stage it on the device first, or use a gloo group "
+                           "(zerobridge.distributed.host_world)")
 
 
 def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full: torch.Tensor,

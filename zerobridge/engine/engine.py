@@ -149,7 +149,7 @@ class Engine:
         if self.plan.activation_checkpointing:
             targets = [u.module for u in self.units[1:]] or [self.model]
             for module in targets:
-                module.forward = checkpointed(module.forward)  # type: ignore[method-assign]
+                module.forward = checkpointed(module.forward)
 
     # ------------------------------------------------------------------ forward
 
@@ -266,7 +266,7 @@ class Engine:
         return hook
 
     def _begin_backward(self) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.window.begin():  # a new window: the accumulators start from zero
             single_reduce = self.plan.grad_sync is GradSync.ACCUMULATION_BOUNDARY or self.plan.accumulation_steps == 1
             for group in self.trainable:

@@ -91,8 +91,8 @@ class FlatGroup:
 
     def __init__(self, refs: list[ParamRef], layout: GroupLayout, plan: GroupPlan, mesh: Mesh,
                  stats: CommStats, spaces: Spaces | None, device: torch.device) -> None:
-        originals = [ref.param for ref in refs]
-        assert all(p is not None for p in originals)
+        originals = [ref.param for ref in refs if ref.param is not None]
+        assert len(originals) == len(refs)
         self.refs = [dataclasses.replace(ref, param=None) for ref in refs]
         self.layout = layout
         self.plan = plan
@@ -103,12 +103,14 @@ class FlatGroup:
         full = self._flatten(originals, plan.compute_dtype, device)
         self.shard: torch.Tensor | None = None
         self.away: Region | None = None
+        self.full = full
         if sharded:
             self.shard = torch.empty(layout.shard_numel, dtype=plan.shard_dtype, device=device)
             self._copy_pieces(full if plan.shard_dtype == full.dtype else
                               self._flatten(originals, plan.shard_dtype, device), self.shard)
             self.away = place(plan.shard_at, self.shard, spaces.parameters if spaces else None, pin=plan.pin_memory)
-        self.full = self.shard if sharded and n == 1 and not plan.gathered_copy else full
+            if n == 1 and not plan.gathered_copy:
+                self.full = self.shard
         self.leaves = [self._leaf(bucket) for bucket in layout.buckets]
         self.master: torch.Tensor | None = None
         self.master_file: FileRegion | None = None
@@ -161,13 +163,13 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ layout helpers
 
-    def _flatten(self, originals: list[nn.Parameter | None], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _flatten(self, originals: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The originals in the full flat layout (padding zero) in ``dtype``; zeros for meta ones."""
         full = torch.zeros(self.layout.numel, dtype=dtype, device=device)
-        if originals[0].is_meta:  # type: ignore[union-attr]
+        if originals[0].is_meta:
             return full
         for original, offset in zip(originals, self.layout.offsets):
-            flat = original.detach().reshape(-1)  # type: ignore[union-attr]
+            flat = original.detach().reshape(-1)
             full[offset:offset + flat.numel()].copy_(flat)
         return full
 
@@ -269,7 +271,7 @@ class FlatGroup:
                 if mark_used and view.requires_grad:
                     view.register_hook(self._used_hook(i))
                 for module, attr in self.refs[i].slots:
-                    module._parameters[attr] = view  # type: ignore[assignment]
+                    module._parameters[attr] = view
 
     def _used_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:

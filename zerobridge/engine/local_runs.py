@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from zerobridge.engine import master
+from zerobridge.engine.collectives import Pending
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.grad_store import drop_grads
 
@@ -112,7 +113,7 @@ def write_optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, run:
 def refresh_compute(engine: Engine) -> None:
     """After master values were written: rebuild every compute copy (shards, and
     the replicated groups' full buffers by all-gather). Collective."""
-    pending = []
+    pending: list[Pending] = []
     for group in engine.groups:
         master.push_master(group)
         drop_grads(group)

@@ -202,7 +202,8 @@ class StateSwapper:
         writes: list[Write] = []
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.numel() > 1:
-                region = old.get(key).region if isinstance(old.get(key), Stored) else None
+                stored = old.get(key)
+                region = stored.region if isinstance(stored, Stored) else None
                 if region is None or region.numel != value.numel() or region.dtype != value.dtype:
                     region = self.space.allocate(value.numel(), value.dtype)
                 slots[key] = Stored(region, value.shape, value.device)

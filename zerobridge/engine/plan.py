@@ -23,7 +23,7 @@ from torch import nn
 from zerobridge.engine.tiers import OffloadPlan, check_offload, plan_offload
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.plan import RunPlan, hidden_size, plan_run, run_fields
-from zerobridge.spec import BackwardPrefetch, ParamSharding, StrategySpec, is_auto
+from zerobridge.spec import BackwardPrefetch, GroupSize, ParamSharding, StrategySpec, is_auto
 
 __all__ = ["EnginePlan", "check_runnable", "plan_engine"]
 
@@ -76,8 +76,8 @@ def _auto_size(value: object, key: str, model: nn.Module, rule: str, factor: flo
     return value or None
 
 
-def _group(value: object, *, world: int, local: int, key: str) -> int:
-    size = world if value in (None, "world") else local if value == "node" else int(value)  # type: ignore[arg-type]
+def _group(value: GroupSize | None, *, world: int, local: int, key: str) -> int:
+    size = world if value in (None, "world") else local if value == "node" else int(value)
     if size < 1 or world % size:
         raise ConfigError(f"{key}={value!r} is {size} ranks, which does not divide the world size {world}",
                           key=key, fix=f"choose a divisor of {world}, or launch a multiple of {size} ranks")
@@ -132,6 +132,7 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
         persistence_threshold=_auto_size(comm.persistence_threshold, "communication.persistence_threshold", model,
                                          "10 x hidden", 10.0) or 0,
         model_persistence_threshold=comm.model_persistence_threshold,
-        overlap_reduce=comm.overlap_reduce, forward_prefetch=comm.forward_prefetch, backward_prefetch=comm.backward_prefetch,
+        overlap_reduce=comm.overlap_reduce, forward_prefetch=comm.forward_prefetch,
+        backward_prefetch=comm.backward_prefetch,
         max_inflight_gathers=comm.max_inflight_gathers, max_live_parameters=comm.max_live_parameters,
         max_reuse_distance=comm.max_reuse_distance, offload=offload)

@@ -100,7 +100,8 @@ def group_bytes(group: FlatGroup) -> dict[tuple[str, str], int]:
 
     master_role = "master" if group.plan.trainable else "params"
     compute: Placement = group.plan.shard_at if group.shard is not None else ON_DEVICE
-    add("params", compute.resident_label, storage_bytes(group.shard) if group.shard is not None else storage_bytes(group.full))
+    add("params", compute.resident_label,
+        storage_bytes(group.shard) if group.shard is not None else storage_bytes(group.full))
     add("params", "device", storage_bytes(group.secondary))
     add(master_role, group.plan.master_at.resident_label, storage_bytes(group.master))
     if group.plan.trainable:

@@ -21,6 +21,7 @@ a host tensor (``HostRegion``, the cpu tier on an accelerator).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -68,10 +69,8 @@ def remove_stale(root: str | Path) -> list[Path]:
 
 def _tear_down(path: Path, fds: list[int]) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     fds.clear()
     shutil.rmtree(path, ignore_errors=True)
 

@@ -93,7 +93,8 @@ def check_swap_path(path: str | None, key: str) -> None:
     where = Path(path or "").expanduser()
     if not path or not where.exists():
         raise ConfigError(f"nvme_path {path!r} does not exist", key=key,
-                          fix="create the directory first (mkdir -p), or point nvme_path at a directory on a local disk")
+                          fix="create the directory first (mkdir -p), or point nvme_path at a directory on a "
+                              "local disk")
     if not where.is_dir():
         raise ConfigError(f"nvme_path {path!r} is not a directory", key=key, fix="point nvme_path at a directory")
     try:

@@ -39,7 +39,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Any, NoReturn
@@ -76,7 +76,7 @@ def _resolve(target: str) -> Callable[..., object]:
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def _exit_now(results: Queue[Any], code: int) -> NoReturn:
@@ -129,6 +129,7 @@ def _worker_main(
         if message[0] == "stop":
             break
         _, task_id, target, raw_kwargs = message
+        payload: bytes | str  # the pickled value, or the traceback of what was raised
         try:
             value = _resolve(target)(**pickle.loads(raw_kwargs))
             ok, payload = True, pickle.dumps(value)
@@ -137,10 +138,8 @@ def _worker_main(
         except BaseException:  # SystemExit too: report it, keep serving
             ok, payload = False, traceback.format_exc()
         results.put((rank, task_id, ok, payload))
-    try:
+    with suppress(BaseException):
         dist.destroy_process_group()
-    except BaseException:
-        pass
     _exit_now(results, 0)
 
 
@@ -280,10 +279,8 @@ class Cluster:
                 proc.kill()
         for proc in self._procs:
             proc.join(timeout=5.0)
-            try:
+            with suppress(ValueError):  # still running after kill + join: leave it to the OS
                 proc.close()  # release its handles now, not at interpreter exit
-            except ValueError:  # still running after kill + join: leave it to the OS
-                pass
         for q in [*self._tasks, *([self._results] if self._results is not None else [])]:
             q.cancel_join_thread()
             q.close()
@@ -296,10 +293,8 @@ class Cluster:
             return
         for proc, tasks in zip(self._procs, self._tasks):
             if proc.is_alive():
-                try:
+                with suppress(OSError, ValueError):
                     tasks.put(("stop",))
-                except (OSError, ValueError):
-                    pass
         deadline = time.monotonic() + 5.0
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

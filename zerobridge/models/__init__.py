@@ -21,5 +21,5 @@ from zerobridge.models.tiny_gpt import (
     tiny_gpt,
 )
 
-__all__ = ["PRESETS", "Block", "GPTConfig", "SyntheticTokens", "TinyGPT", "count_params", "no_weight_decay", "preset_table", "shard",
-           "tiny_gpt"]
+__all__ = ["PRESETS", "Block", "GPTConfig", "SyntheticTokens", "TinyGPT", "count_params", "no_weight_decay",
+           "preset_table", "shard", "tiny_gpt"]

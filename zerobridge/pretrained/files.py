@@ -79,7 +79,7 @@ class Weights:
         if stop == start:
             return out
         size = out.element_size()
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        view = out.view(torch.uint8).numpy().data.cast("B")  # ndarray.data: the array's memoryview
         with entry.file.open("rb") as fh:
             fh.seek(entry.offset + start * size)
             got = fh.readinto(view)

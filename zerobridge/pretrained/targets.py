@@ -15,6 +15,7 @@ Buffers in the state dict: whole, on every rank (``buffer_targets``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,9 @@ def buffer_targets(model: nn.Module) -> list[Target]:
     targets = []
     for name, buf in model.named_buffers():
         if name in persistent:
-            targets.append(Target((name,), tuple(buf.shape), 0, buf.numel(),
-                                  lambda values, b=buf: b.copy_(values.view(b.shape))))
+            targets.append(Target((name,), tuple(buf.shape), 0, buf.numel(), functools.partial(_write_whole, buf)))
     return targets
+
+
+def _write_whole(buf: torch.Tensor, values: torch.Tensor) -> None:
+    buf.copy_(values.view(buf.shape))

@@ -80,7 +80,7 @@ def apply_compile(units: Sequence[nn.Module], spec: CompileSpec) -> list[nn.Modu
         return targets
     for module in targets:
         # An instance attribute: the class's forward, and the module's hooks, stay as they were.
-        module.forward = torch.compile(module.forward, **spec.kwargs())  # type: ignore[method-assign]
+        module.forward = torch.compile(module.forward, **spec.kwargs())
     return targets
 
 

@@ -50,6 +50,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -96,14 +97,16 @@ def _hf_scope(module: nn.Module) -> bool:
 
 def _reset_method(module: nn.Module) -> Callable[[], object] | None:
     for name in ("reset_parameters", "_reset_parameters"):
-        method = getattr(module, name, None)
+        method: object = getattr(module, name, None)
         if callable(method) and not _hf_scope(module):
-            return method  # type: ignore[no-any-return]
+            return method
     return None
 
 
 def _hf_call(scope: nn.Module, module: nn.Module) -> Callable[[], object]:
-    call = functools.partial(scope._init_weights, module)  # type: ignore[operator]
+    # A method of Hugging Face's PreTrainedModel (untyped), which nn.Module's __getattr__ types as Tensor | Module.
+    init_weights = cast("Callable[[nn.Module], object]", scope._init_weights)
+    call = functools.partial(init_weights, module)
     try:
         from transformers import initialization
         guard = getattr(initialization, "guard_torch_init_functions", None)
@@ -211,22 +214,22 @@ class Replay:
     def _swapped(self, k: int, real: dict[int, torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
         """Put a tensor in every slot op ``k`` may write: ``real`` ones where given,
         NaN scratch elsewhere; the slots get their old contents back after."""
-        saved: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
+        undo: list[Callable[[], None]] = []
         written: dict[int, torch.Tensor] = {}
         try:
             for module, attr, is_buffer, key, owner in self.slots[k]:
-                store = module._buffers if is_buffer else module._parameters
-                old = store[attr]
                 tensor = real[key] if owner and key in real else _scratch(*self.built[key])
                 if owner:
                     written[key] = tensor
-                saved.append((store, attr, old))  # type: ignore[arg-type]
                 meta = self.meta[key]
-                store[attr] = tensor if is_buffer else nn.Parameter(tensor, requires_grad=meta.requires_grad)
+                if is_buffer:
+                    undo.append(_put(module._buffers, attr, tensor))
+                else:
+                    undo.append(_put(module._parameters, attr, nn.Parameter(tensor, requires_grad=meta.requires_grad)))
             yield written
         finally:
-            for store, attr, old in reversed(saved):
-                store[attr] = old
+            for put_back in reversed(undo):
+                put_back()
 
     def _run(self, k: int, real: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         op = self.ops[k]
@@ -296,6 +299,17 @@ class Replay:
         for module in self.model.modules():
             keys = [key for key in self.params_of(module) if keep is None or keep(key)]
             yield from self.materialize(keys)
+
+
+_T = TypeVar("_T", bound=torch.Tensor)
+
+
+def _put(store: dict[str, _T | None], attr: str, value: _T) -> Callable[[], None]:
+    """Put ``value`` in ``store[attr]`` (a module's ``_parameters`` or ``_buffers``); returns what puts
+    the old contents back."""
+    old = store[attr]
+    store[attr] = value
+    return functools.partial(store.__setitem__, attr, old)
 
 
 def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -76,12 +76,12 @@ class ScaleGrad(torch.autograd.Function):
     """Identity in forward; multiplies the gradient by the scale in backward."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor,
                 scale: float) -> torch.Tensor:
         ctx.scale = scale  # type: ignore[attr-defined]
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx,
                  grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerobridge.spec import DType, GradSync, LossScaling, NoLossScale, StrategySpec, WrapSpec, is_auto
+from zerobridge.spec import Auto, DType, GradSync, LossScaling, NoLossScale, StrategySpec, WrapSpec, is_auto
 
 __all__ = ["TORCH_DTYPES", "RunPlan", "hidden_size", "plan_run", "run_fields"]
 
@@ -57,7 +57,7 @@ class RunPlan:
         return float(self.world_size * self.accumulation_steps)
 
 
-def _dtype(value: object, fallback: DType) -> torch.dtype:
+def _dtype(value: DType | Auto, fallback: DType) -> torch.dtype:
     return TORCH_DTYPES[fallback if is_auto(value) else DType(value)]
 
 

@@ -60,10 +60,14 @@ def _float64_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     """``grad``'s ``norm_type``-norm accumulated in float64, cast a chunk at a time so that
     no float64 copy of a large gradient is ever held whole."""
     flat = grad.reshape(-1)
+    norm: torch.Tensor
     if flat.numel() <= _NORM_CHUNK:
-        return torch.linalg.vector_norm(flat, norm_type, dtype=torch.float64)
-    parts = torch.stack([torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in flat.split(_NORM_CHUNK)])
-    return torch.linalg.vector_norm(parts, norm_type)
+        norm = torch.linalg.vector_norm(flat, norm_type, dtype=torch.float64)
+        return norm
+    chunks = torch.split(flat, _NORM_CHUNK)
+    parts = torch.stack([torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in chunks])
+    norm = torch.linalg.vector_norm(parts, norm_type)
+    return norm
 
 
 def norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -103,7 +107,7 @@ def raw_step(optimizer: torch.optim.Optimizer) -> None:
     subclasses whose ``step`` calls a hooked ``super().step()``."""
     global _QUIET
     step = type(optimizer).step
-    function = step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
+    function = getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
     _QUIET += 1
     try:
         function(optimizer)

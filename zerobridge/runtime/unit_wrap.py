@@ -29,12 +29,12 @@ class _PostBackward(torch.autograd.Function):
     that is after the unit's own backward."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> Any:
         ctx.hook = hook
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.hook()
         return (None, *grads)
 
@@ -47,7 +47,9 @@ def after_inputs_backward(tree: Any, hook: Any) -> Any:
     at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not at:
         return tree
-    for i, out in zip(at, _PostBackward.apply(hook, *(leaves[i] for i in at))):
+    outs = _PostBackward.apply(  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
+        hook, *(leaves[i] for i in at))
+    for i, out in zip(at, outs):
         leaves[i] = out
     return pytree.tree_unflatten(leaves, spec)
 

@@ -19,7 +19,8 @@ from zerobridge.spec.wrapping import EveryModuleWrap, RootWrap, SizeWrap, Transf
 
 __all__ = [
     "AUTO", "Auto", "BackwardPrefetch", "BatchSpec", "Bucket", "CheckpointFormat", "CheckpointSpec",
-    "CommunicationSpec", "CompileMode", "CompileScope", "CompileSpec", "DType", "DynamicLossScale", "EveryModuleWrap", "GradSync", "GroupSize",
+    "CommunicationSpec", "CompileMode", "CompileScope", "CompileSpec", "DType", "DynamicLossScale", "EveryModuleWrap",
+    "GradSync", "GroupSize",
     "LossScaling", "NoLossScale", "OffloadDevice", "OffloadSpec", "OffloadTier", "OptimizerOffload",
     "ParamOffload", "ParamSharding", "PrecisionSpec", "RootWrap", "STAGE_SHARDS", "ShardingSpec",
     "SizeWrap", "SpecModel", "Stage", "StageShards", "StaticLossScale", "StrategySpec",

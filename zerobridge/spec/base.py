@@ -9,9 +9,12 @@ is generated.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = ["AUTO", "Auto", "DType", "SpecModel", "is_auto"]
 
@@ -21,7 +24,7 @@ Auto = Literal["auto"]
 Accelerate). It is kept as ``"auto"`` through every translation and reported."""
 
 
-def is_auto(value: object) -> bool:
+def is_auto(value: object) -> TypeIs[Auto]:
     """True when ``value`` is the run-time placeholder ``"auto"``."""
     return isinstance(value, str) and value == AUTO
 

@@ -56,14 +56,13 @@ class BatchSpec(SpecModel):
     @model_validator(mode="after")
     def _check(self) -> BatchSpec:
         per_rank = self.per_rank_batch
-        if per_rank is not None and isinstance(self.global_batch_size, int):
-            if self.global_batch_size % per_rank:
-                raise ValueError(
-                    f"batch.global_batch_size={self.global_batch_size} is not a multiple of "
-                    f"micro_batch_size x accumulation_steps = {self.micro_batch_size} x "
-                    f"{self.accumulation_steps} = {per_rank}: global = micro x accumulation x "
-                    "data-parallel size"
-                )
+        if per_rank is not None and isinstance(self.global_batch_size, int) and self.global_batch_size % per_rank:
+            raise ValueError(
+                f"batch.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"micro_batch_size x accumulation_steps = {self.micro_batch_size} x "
+                f"{self.accumulation_steps} = {per_rank}: global = micro x accumulation x "
+                "data-parallel size"
+            )
         return self
 
     @property

@@ -72,12 +72,12 @@ class ShardingSpec(SpecModel):
                 )
             if isinstance(self.backward_gather_group, int) and self.backward_gather_group < 1:
                 raise ValueError("sharding.backward_gather_group must be 'node' or a positive rank count")
-        if isinstance(self.backward_gather_group, int) and isinstance(self.shard_group, int):
-            if self.shard_group % self.backward_gather_group:
-                raise ValueError(
-                    f"sharding.backward_gather_group={self.backward_gather_group} does not divide "
-                    f"shard_group={self.shard_group}: the secondary shard splits each primary group"
-                )
+        if (isinstance(self.backward_gather_group, int) and isinstance(self.shard_group, int)
+                and self.shard_group % self.backward_gather_group):
+            raise ValueError(
+                f"sharding.backward_gather_group={self.backward_gather_group} does not divide "
+                f"shard_group={self.shard_group}: the secondary shard splits each primary group"
+            )
         if self.world_size is not None:
             for name in ("shard_group", "backward_gather_group"):
                 size = getattr(self, name)

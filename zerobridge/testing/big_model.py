@@ -47,7 +47,7 @@ def _load_eagerly(model: TinyGPT, source: str) -> None:
             params[name].copy_(fh.get_tensor(name))
 
 
-def big_model_run(*, path: str, source: str, config: dict[str, int], steps_tokens: int = 64) -> dict[str, Any]:
+def big_model_run(*, path: str, source: str, config: dict[str, Any], steps_tokens: int = 64) -> dict[str, Any]:
     """On every rank: ``path`` is ``eager`` (build, load every tensor, prepare),
     ``meta`` (meta build, prepare, ``load_pretrained``) or ``fsdp-meta`` (the same
     on ``backend="fsdp"``). Returns RSS figures, seconds and two losses."""

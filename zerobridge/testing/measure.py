@@ -136,8 +136,8 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
         scaling = DynamicLossScale(initial_scale=2.0**8) if dtype == "fp16" else None
         # FSDP's layout as FSDP2 users run it: fp32 gradients (reduced in fp32 too).
         grads = {"reduce_dtype": "fp32", "accumulate_dtype": "fp32"} if layout == "gathered" else {}
-        precision = PrecisionSpec(param_dtype=dtype, master_dtype="fp32", compute_copy=layout, **grads,
-                                  **({"loss_scaling": scaling} if scaling else {}))
+        precision = PrecisionSpec.model_validate({"param_dtype": dtype, "master_dtype": "fp32", "compute_copy": layout,
+                                                  **grads, **({"loss_scaling": scaling} if scaling else {})})
         spec = spec.model_copy(update={"precision": precision})
 
     device = run_device()

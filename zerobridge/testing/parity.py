@@ -117,7 +117,8 @@ class RunResult:
 
 
 def run_reference(*, steps: int = 10, optimizer: str = "adamw", global_batch: int = 8, accumulation: int = 1,
-                  clip: float | None = 1.0, dtype: str = "fp32", seed: int = 0, skip_steps: tuple[int, ...] = ()) -> RunResult:
+                  clip: float | None = 1.0, dtype: str = "fp32", seed: int = 0,
+                  skip_steps: tuple[int, ...] = ()) -> RunResult:
     """One process, the whole global batch: the numbers a sharded run must match.
 
     ``skip_steps``: steps that compute gradients but do not step (as in a run
@@ -193,7 +194,7 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
         opt = make_optimizer(list(model.named_parameters()), optimizer)
     if compile == "after":
         model = torch.compile(model)  # type: ignore[assignment]
-    result = RunResult(summary=model.zerobridge_engine.plan.spec.summary(),  # type: ignore[union-attr]
+    result = RunResult(summary=model.zerobridge_engine.plan.spec.summary(),
                        names=[n for n, _ in model.named_parameters(remove_duplicate=False)] + list(model.state_dict()))
     per_rank = global_batch // accumulation // world
     for step in range(steps):
@@ -205,7 +206,7 @@ def run_native(*, stage: int | None = None, spec: Any = None, steps: int = 10, o
             tokens, targets = (t.to(device) for t in batch(step, micro, global_batch // accumulation))
             mine = slice(rank * per_rank, (rank + 1) * per_rank)
             quiet = accumulation_mode == "no_sync" and micro < accumulation - 1
-            with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+            with model.no_sync() if quiet else contextlib.nullcontext():
                 loss = model(tokens[mine], targets[mine])
                 if accumulation_mode != "spec":
                     loss = loss / accumulation

@@ -132,12 +132,12 @@ def recording() -> Iterator[list[tuple[Any, ...]]]:
     log: list[tuple[Any, ...]] = []
     backend = RecordingBackend(log)
     saved_backend = streams.stream_backend
-    streams.stream_backend = lambda device: backend  # type: ignore[assignment]
+    streams.stream_backend = lambda device: backend
     try:
         with logging_collectives(log, backend.current):
             yield log
     finally:
-        streams.stream_backend = saved_backend  # type: ignore[assignment]
+        streams.stream_backend = saved_backend
 
 
 def run_recorded(spec: Any, *, steps: int = 3, record: bool = True) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def run_recorded(spec: Any, *, steps: int = 3, record: bool = True) -> dict[str,
     with recording() if record else logging_collectives(log) as recorded:
         log = recorded
         model = zerobridge.prepare(ParityNet(0), config=spec)
-        engine = model.zerobridge_engine  # type: ignore[union-attr]
+        engine = model.zerobridge_engine
         for unit in engine.units:
             slot = next((g.refs[0].slots[0] for g in unit.groups if g.refs), None)
             if slot is not None:

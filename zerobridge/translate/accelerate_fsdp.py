@@ -228,7 +228,7 @@ def _fsdp2_mesh(keys: SourceKeys, world: int | None) -> tuple[list[int] | None, 
     if group == 1 and (total > 1 or (world or 1) > 1):
         raise keys.located.error("FSDP has no dimension to shard across: dp_shard_size and cp_size are both 1 "
                                  "(Accelerate raises)", key=where, fix="set parallelism_config_dp_shard_size > 1")
-    for n, size in (("dp_replicate", replicate), ("dp_shard", shard)):
+    for n in ("dp_replicate", "dp_shard"):
         keys.note(f"{P}{n}_size")
     for n, size in (("tp", tp), ("cp", cp), ("sp", sp)):
         if size > 1:

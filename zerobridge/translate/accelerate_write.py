@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import DType, StrategySpec, is_auto
+from zerobridge.spec import DType, SizeWrap, StrategySpec, is_auto
 from zerobridge.translate.accelerate_common import FORMAT, D, F
 from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.compilation import write_dynamo
@@ -110,7 +110,7 @@ def write_accelerate_fsdp(spec: StrategySpec, *, fsdp_version: int = 2) -> Trans
         if w.policy == "every_module" and wrap_policy == w.policy:
             report.add("wrapping", Status.APPROXIMATED, "ZeRO-3 fetches every module on its own; the nearest FSDP "
                        "unit is one per transformer layer (_no_split_modules)", target=F + "fsdp_auto_wrap_policy")
-    elif wrap_policy == "size":
+    elif isinstance(w, SizeWrap):  # the policy is "size" exactly when the spec's is
         fsdp["fsdp_auto_wrap_policy"], fsdp["fsdp_min_num_params"] = "SIZE_BASED_WRAP", w.min_params
     else:
         fsdp["fsdp_auto_wrap_policy"] = "NO_WRAP"
@@ -189,7 +189,7 @@ def _checked(spec: StrategySpec, out: dict[str, Any], report: Report, hint: str)
     done = [e.key for e in report.entries]
     for path, want, got in spec_diff(spec, back):
         if not any(path == k or path.startswith(k + ".") for k in done):
-            extra = next((h for p, h in _HINTS.items() if path.startswith(p)), "") if not hint else hint
+            extra = hint or next((h for p, h in _HINTS.items() if path.startswith(p)), "")
             report.add(path, Status.NOT_EXPRESSIBLE, join_notes(f"{want!r} has no form here; the config gives {got!r}",
                                                             extra))
     for fmt in spec.passthrough:

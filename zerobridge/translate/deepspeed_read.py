@@ -233,14 +233,14 @@ def _loss_scaling(keys: SourceKeys, compute: Any) -> Any:
     static = keys.get("fp16.loss_scale")
     if static and static > 0:
         return {"kind": "static", "scale": static}
-    return dict(
-        kind="dynamic",
-        initial_scale=2.0 ** keys.get("fp16.initial_scale_power"),
-        growth_interval=keys.get("fp16.loss_scale_window"),
-        hysteresis=keys.get("fp16.hysteresis"),
-        consecutive_hysteresis=keys.get("fp16.consecutive_hysteresis"),
-        min_scale=keys.get("fp16.min_loss_scale"),
-    )
+    return {
+        "kind": "dynamic",
+        "initial_scale": 2.0 ** keys.get("fp16.initial_scale_power"),
+        "growth_interval": keys.get("fp16.loss_scale_window"),
+        "hysteresis": keys.get("fp16.hysteresis"),
+        "consecutive_hysteresis": keys.get("fp16.consecutive_hysteresis"),
+        "min_scale": keys.get("fp16.min_loss_scale"),
+    }
 
 
 def _communication(keys: SourceKeys, stage: Stage) -> dict[str, Any]:

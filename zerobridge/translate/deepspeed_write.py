@@ -225,7 +225,8 @@ def _precision(spec: StrategySpec, report: Report) -> dict[str, Any]:
                     min_loss_scale=max(scaling.min_scale, 1))
         if scaling.min_scale < 1:
             report.add("precision.loss_scaling.min_scale", Status.APPROXIMATED,
-                       f"DeepSpeed's floor must be at least 1 (asked {scaling.min_scale})", target="fp16.min_loss_scale")
+                       f"DeepSpeed's floor must be at least 1 (asked {scaling.min_scale})",
+                       target="fp16.min_loss_scale")
         if scaling.growth_factor != 2.0 or scaling.backoff_factor != 0.5:
             report.add("precision.loss_scaling", Status.NOT_EXPRESSIBLE,
                        "DeepSpeed doubles and halves the scale; growth/backoff factors "
@@ -291,7 +292,8 @@ def _checkpoint(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: 
         zero[key] = True
         report.add("checkpoint.format", Status.APPROXIMATED,
                    "DeepSpeed consolidates weights only in 16 bits and without optimizer state; its training "
-                   "checkpoint stays sharded (zero_to_fp32.py makes a full fp32 one)", target=f"zero_optimization.{key}")
+                   "checkpoint stays sharded (zero_to_fp32.py makes a full fp32 one)",
+                   target=f"zero_optimization.{key}")
     elif stage is Stage.PARAMETERS or fmt is CheckpointFormat.CONSOLIDATED_16BIT:
         zero[key] = fmt is CheckpointFormat.CONSOLIDATED_16BIT
     if spec.checkpoint.activation_checkpointing:

@@ -56,7 +56,8 @@ def detect_format(located: Located) -> str:
         return "torchtitan"
     if keys and keys <= _SPEC_KEYS:
         return "spec"
-    if "sharding_strategy" in keys or "auto_wrap_policy" in keys or "cpu_offload" in keys and "zero_optimization" not in keys:
+    if ("sharding_strategy" in keys or "auto_wrap_policy" in keys
+            or ("cpu_offload" in keys and "zero_optimization" not in keys)):
         return "fsdp1"
     if "reshard_after_forward" in keys or "mp_policy" in keys or "offload_policy" in keys:
         return "fsdp2"

@@ -23,6 +23,7 @@ from typing import Any
 from zerobridge.spec import (
     BackwardPrefetch,
     CheckpointFormat,
+    CheckpointSpec,
     CommunicationSpec,
     DType,
     GradSync,
@@ -94,8 +95,8 @@ def read_fsdp1(located: Located) -> Translation[StrategySpec]:
     offload = OffloadSpec()
     if section(r, "cpu_offload") is not None and take(r, "cpu_offload.offload_params"):
         if sharding.parameters.sharded_at_rest:
-            tier = {"device": OffloadDevice.CPU, "pin_memory": True}
-            offload = OffloadSpec(optimizer=OptimizerOffload(**tier), parameters=ParamOffload(**tier))
+            offload = OffloadSpec(optimizer=OptimizerOffload(device=OffloadDevice.CPU, pin_memory=True),
+                                  parameters=ParamOffload(device=OffloadDevice.CPU, pin_memory=True))
             r.mark("cpu_offload.offload_params", Status.EXACT, "both offload tiers on the host; FSDP1 always pins "
                    "the host copies (pin_memory true)")
         else:
@@ -124,8 +125,8 @@ def read_fsdp1(located: Located) -> Translation[StrategySpec]:
                "with the same wrapping and world size) reads as sharded and is written back as SHARDED_STATE_DICT")
     spec = StrategySpec(
         sharding=sharding, offload=offload, precision=precision, communication=communication, wrapping=wrapping,
-        batch=loop.batch, checkpoint={"format": STATE_DICT[state_dict],
-                                      "activation_checkpointing": loop.activation_checkpointing},
+        batch=loop.batch, checkpoint=CheckpointSpec(format=STATE_DICT[state_dict],
+                                                    activation_checkpointing=loop.activation_checkpointing),
         passthrough={FMT: r.carried} if r.carried else {})
     return Translation(spec, report)
 

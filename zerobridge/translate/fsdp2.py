@@ -24,6 +24,7 @@ from typing import Any
 from zerobridge.spec import (
     BackwardPrefetch,
     CheckpointFormat,
+    CheckpointSpec,
     CommunicationSpec,
     DType,
     GradSync,
@@ -103,8 +104,9 @@ def read_fsdp2(located: Located) -> Translation[StrategySpec]:
     full = take(r, "training_loop.full_state_dict")
     spec = StrategySpec(
         sharding=sharding, offload=offload, precision=precision, communication=communication, wrapping=wrapping,
-        batch=loop.batch, checkpoint={"format": CheckpointFormat.FULL if full else CheckpointFormat.SHARDED,
-                                      "activation_checkpointing": loop.activation_checkpointing},
+        batch=loop.batch,
+        checkpoint=CheckpointSpec(format=CheckpointFormat.FULL if full else CheckpointFormat.SHARDED,
+                                  activation_checkpointing=loop.activation_checkpointing),
         passthrough={FMT: r.carried} if r.carried else {})
     return Translation(spec, report)
 
@@ -140,7 +142,7 @@ def _read_sharding(r: SourceKeys) -> ShardingSpec:
                "replicas")
         return ShardingSpec.for_stage(0, world_size=world)
     parameters = ParamSharding.RESHARD_AFTER_FORWARD if value else ParamSharding.RESHARD_AFTER_BACKWARD
-    group: int | str = shard if shape is not None and len(shape) == 2 else "world"
+    group: int | str = shape[-1] if shape is not None and len(shape) == 2 else "world"
     return ShardingSpec.for_stage(3, parameters=parameters, shard_group=group, world_size=world,
                                   backward_gather_group=gather)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from pydantic import ValidationError
 
@@ -61,7 +61,7 @@ __all__ = [
 
 DIM_NAMES: dict[int, list[str]] = {1: ["dp_shard"], 2: ["dp_replicate", "dp_shard"]}
 """Mesh dimension names zerobridge writes (dim 0 replicates, the last shards)."""
-PER_UNIT = "per_unit"
+PER_UNIT: Final = "per_unit"
 GRAD_SYNC_ALIASES = {"accumulation_boundary": "no_sync", "set_requires_gradient_sync(false)": "no_sync"}
 
 
@@ -112,7 +112,7 @@ def take(r: SourceKeys, path: str, *, minimum: float | None = None, nullable: bo
     return r.coerce(row, value, path, minimum=minimum)
 
 
-def choice(r: SourceKeys, path: str, *, aliases: Mapping[str, str] | None = None,
+def choice(r: SourceKeys, path: str, *, aliases: Mapping[str, str | None] | None = None,
            nullable: bool = False) -> str | None:
     """One of the row's ``values``, matched case-insensitively (``torch`` enum
     prefixes dropped), or ``None`` where null is allowed."""

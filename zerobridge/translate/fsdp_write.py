@@ -84,9 +84,9 @@ def stage_plan(spec: StrategySpec, report: Report, *, target: str) -> StagePlan:
 def mesh_form(shape: list[int], spec: StrategySpec, fmt: str, names_key: str) -> dict[str, Any]:
     """``{"shape", "mesh_dim_names"}``, with carried names when they fit."""
     names = spec.passthrough.get(fmt, {}).get(names_key)
-    if not (isinstance(names, list) and len(names) == len(shape)):
-        names = DIM_NAMES[len(shape)]
-    return {"shape": shape, "mesh_dim_names": list(names)}
+    if isinstance(names, list) and len(names) == len(shape):
+        return {"shape": shape, "mesh_dim_names": list(names)}
+    return {"shape": shape, "mesh_dim_names": list(DIM_NAMES[len(shape)])}
 
 
 def write_offload(spec: StrategySpec, report: Report, plan: StagePlan, *, target: str) -> tuple[bool, bool]:

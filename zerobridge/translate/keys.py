@@ -115,8 +115,9 @@ class SourceKeys:
                 if row.type == "section" and isinstance(value, dict):
                     self._walk(path, value)
             elif path in self.table.removed:
-                self.report.add(spelled, Status.NOT_EXPRESSIBLE, f"removed from {self.consumer}, which now raises on it: "
-                                                         f"{self.table.removed[path]}; not written")
+                self.report.add(spelled, Status.NOT_EXPRESSIBLE,
+                                f"removed from {self.consumer}, which now raises on it: "
+                                f"{self.table.removed[path]}; not written")
             elif self.table.is_passthrough(path):
                 self.carried[path] = value
                 self.report.add(spelled, Status.NOT_ABOUT_SHARDING, self.carried_note)

@@ -2,7 +2,8 @@
 
     >>> from zerobridge.translate.report import Report, Status
     >>> r = Report(source="deepspeed", target="fsdp2")
-    >>> r.add("zero_optimization.stage", Status.APPROXIMATED, "ZeRO-2 keeps parameters full", target="reshard_after_forward")
+    >>> r.add("zero_optimization.stage", Status.APPROXIMATED, "ZeRO-2 keeps parameters full",
+    ...       target="reshard_after_forward")
     >>> r.approximations[0].key
     'zero_optimization.stage'
 """

@@ -353,7 +353,8 @@ def held_bytes(internals: DeepSpeedInternals, *, offload_optimizer: bool, offloa
 
     wrapper, model = internals.wrapper, internals.model
     shards = (getattr(p, "ds_tensor", None) for p in model.parameters())
-    params = count(t for t in shards if t is not None) if internals.stage3 else count(p.data for p in model.parameters())
+    params = (count(t for t in shards if t is not None) if internals.stage3
+              else count(p.data for p in model.parameters()))
     masters = [t for name in _MASTERS for t in _tensors(getattr(wrapper, name, None))]
     grads = count(p.grad for p in model.parameters() if p.grad is not None)
     grads += count(t.grad for t in masters if t.grad is not None)

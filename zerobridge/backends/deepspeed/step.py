@@ -104,7 +104,7 @@ class DeepSpeedStepper:
     def _engine_prologue(self) -> None:
         self._begin()
         self._prologue()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end)  # type: ignore[attr-defined]
+        torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Stage 0: what ``engine.backward`` does around ``loss.backward()``."""
@@ -112,7 +112,7 @@ class DeepSpeedStepper:
             self.internals.enter_engine_backward()
             self._begin()
             self._prologue()
-            torch.autograd.Variable._execution_engine.queue_callback(self._plain_end)  # type: ignore[attr-defined]
+            torch.autograd.Variable._execution_engine.queue_callback(self._plain_end)
         return grad / self.accumulation_steps
 
     def _plain_end(self) -> None:
@@ -198,12 +198,12 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         self.client = client
         self.defaults = client.defaults
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # read-only: the client's groups
         return self.client.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # read-only: the client's state
         return self.client.state
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]

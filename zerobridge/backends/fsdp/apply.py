@@ -58,7 +58,7 @@ def cast_states(model: nn.Module, *, master: torch.dtype, buffers: torch.dtype |
     """Floating parameters to the master dtype (FSDP2 shards and steps the loaded dtype, so that
     dtype must be the master's); floating buffers to ``buffers`` when the spec names one."""
     for module in model.modules():
-        for name, param in module._parameters.items():
+        for param in module._parameters.values():
             if param is not None and param.is_floating_point() and param.dtype != master:
                 param.data = param.data.to(master)
         if buffers is not None:
@@ -72,7 +72,7 @@ def apply_activation_checkpointing(model: nn.Module, wrap: WrapSpec) -> None:
     native engine does: the unit's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``."""
     units = unit_modules(model, wrap)
     for module in units[1:] or [model]:
-        module.forward = checkpointed(module.forward)  # type: ignore[method-assign]
+        module.forward = checkpointed(module.forward)
 
 
 @dataclass

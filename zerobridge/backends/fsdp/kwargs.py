@@ -129,8 +129,10 @@ def to_fsdp1_kwargs(spec: StrategySpec, *, world_size: int | None = None,
     }
     mp = form["mixed_precision"]
     if mp is not None:
-        dtypes = {k: getattr(torch, mp[k]) if mp[k] else None for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
-        kwargs["mixed_precision"] = MixedPrecision(**dtypes, **{k: mp[k] for k in MP_CARRIED})
+        param, reduce, buffer = (getattr(torch, mp[k]) if mp[k] else None
+                                 for k in ("param_dtype", "reduce_dtype", "buffer_dtype"))
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=param, reduce_dtype=reduce, buffer_dtype=buffer,
+                                                   **{k: mp[k] for k in MP_CARRIED})
     if wrap is not None and "min_num_params" in wrap:
         kwargs["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy,
                                                        min_num_params=wrap["min_num_params"])

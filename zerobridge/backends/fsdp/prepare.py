@@ -93,6 +93,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     before = first_names(model)
     device_type = device.type if replay is not None and device is not None else next(model.parameters()).device.type
     mesh = device_mesh_from_form(assessment.form["mesh"], world_size=world, device_type=device_type)
+    assert mesh is not None  # start_run initialized the process group
     if replay is None:
         broadcast_from_rank0(model)
     cast_states(model, master=plan.master_dtype, buffers=plan.buffer_dtype)

@@ -69,11 +69,11 @@ class FsdpStepper:
         if not torch.is_grad_enabled():
             return output
         if self.scaler.enabled:
-            output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.scaler.scale)  # type: ignore[no-untyped-call]
+            output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.scaler.scale)
                                      if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
         for tensor in pytree.tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+                tensor.register_hook(self._pre_backward)
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> None:

@@ -7,6 +7,9 @@ target per parameter, written in place into the local shard.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -36,6 +39,9 @@ def dtensor_targets(model: nn.Module) -> list[Target]:
             start = offset[0] * row if shape else 0
         else:
             local, start = param.data, 0
-        targets.append(Target(tuple(names[key]), shape, start, local.numel(),
-                              lambda values, t=local: t.view(-1).copy_(values)))
+        targets.append(Target(tuple(names[key]), shape, start, local.numel(), functools.partial(_write_flat, local)))
     return targets + buffer_targets(model)
+
+
+def _write_flat(local: torch.Tensor, values: torch.Tensor) -> None:
+    local.view(-1).copy_(values)
