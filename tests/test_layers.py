@@ -27,8 +27,15 @@ import zerobridge
 PACKAGE = Path(zerobridge.__file__).resolve().parent
 
 NAMED = re.compile(r"^(zerobridge(?:\.\w+)+)(?::\w+)?$")
-HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "matplotlib", "safetensors")
-"""Third-party packages whose import costs start-up time: reasons for an import inside a function."""
+HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "matplotlib", "safetensors",
+         "torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp")
+"""Third-party packages (or torch's parts: DCP, DTensor and FSDP2 load sympy and DTensor's op tables, about
+2 s per process) whose import costs start-up time: reasons for an import inside a function."""
+
+
+def _heavy(names: set[str]) -> set[str]:
+    """The ``HEAVY`` entries that importing ``names`` (dotted module names) loads."""
+    return {h for h in HEAVY for n in names if n == h or n.startswith(h + ".")}
 TORCH_FREE = ("zerobridge.errors", "zerobridge.spec", "zerobridge.env", "zerobridge.translate", "zerobridge.registry",
               "zerobridge.load", "zerobridge.diff", "zerobridge.explain", "zerobridge._version", "zerobridge.resources")
 """Modules that never import torch, not even inside a function: config conversion stays fast."""
@@ -94,7 +101,7 @@ def edges(source: str, path: Path, known: dict[str, Path]) -> tuple[list[Edge], 
 
     def add(name: str, node: ast.AST, where: str | None = None) -> None:
         if name.split(".")[0] != "zerobridge":
-            external.append(name.split(".")[0])
+            external.append(name)
             return
         target = _resolve(name, known)
         if target is not None and target != source:
@@ -129,9 +136,9 @@ class Graph:
     known: dict[str, Path]
     edges: list[Edge]
     external: dict[str, set[str]]
-    """Module -> third-party packages it imports anywhere."""
+    """Module -> third-party modules it imports anywhere (dotted names)."""
     external_top: dict[str, set[str]]
-    """Module -> third-party packages it imports at its top."""
+    """Module -> third-party modules it imports at its top (dotted names)."""
 
 
 def build(root: Path) -> Graph:
@@ -147,10 +154,10 @@ def build(root: Path) -> Graph:
         top: set[str] = set()
         for node in tree.body:
             if isinstance(node, ast.Import):
-                top.update(a.name.split(".")[0] for a in node.names)
+                top.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                top.add(node.module.split(".")[0])
-        external_top[name] = top - {"zerobridge"}
+                top.add(node.module)
+        external_top[name] = {n for n in top if n.split(".")[0] != "zerobridge"}
     return Graph(known, all_edges, external, external_top)
 
 
@@ -214,8 +221,8 @@ def violations(graph: Graph, layers: list[list[str]], torch_free: tuple[str, ...
         elif there[0] == here[0] and there[1] != here[1] and len(layers[here[0]]) > 1 and here[0] in _INDEPENDENT:
             problems.append(f"{e.source}:{e.line} imports {e.target}: the groups of this layer are independent")
         if e.where == "function":
-            heavy = {p for p in loaded.get(e.target, set()) | graph.external_top.get(e.target, set()) if p in HEAVY}
-            heavy -= loaded.get(e.source, set())
+            heavy = _heavy(loaded.get(e.target, set()) | graph.external_top.get(e.target, set()))
+            heavy -= _heavy(loaded.get(e.source, set()))
             if not heavy:
                 problems.append(f"{e.source}:{e.line} imports {e.target} inside a function, and that spares no "
                                 "heavy import: import it at module top")
@@ -223,8 +230,8 @@ def violations(graph: Graph, layers: list[list[str]], torch_free: tuple[str, ...
                 problems.append(f"{e.source}:{e.line} imports {e.target} inside a function: say why on the line "
                                 f"(it loads {', '.join(sorted(heavy))})")
     for module, packages in graph.external.items():
-        if module.startswith(torch_free) and packages & set(HEAVY):
-            problems.append(f"{module} imports {', '.join(sorted(packages & set(HEAVY)))}: it must stay torch-free")
+        if module.startswith(torch_free) and _heavy(packages):
+            problems.append(f"{module} imports {', '.join(sorted(_heavy(packages)))}: it must stay torch-free")
     problems += [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles(graph)]
     return problems
 

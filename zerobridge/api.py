@@ -31,12 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobridge.backends.base import backend_of, check_fresh
-from zerobridge.backends.deepspeed.prepare import prepare as prepare_deepspeed
-from zerobridge.backends.fsdp.prepare import prepare as prepare_fsdp
 from zerobridge.backends.native.prepare import prepare as prepare_native
-from zerobridge.checkpoint.full import write_safetensors
 from zerobridge.checkpoint.storage import CheckpointError
-from zerobridge.checkpoint.writer import agree
 from zerobridge.distributed import init_distributed
 from zerobridge.env import choice_from_env, resolve_allow_approximate, resolve_backend, resolve_compile
 from zerobridge.errors import ConfigError
@@ -53,10 +49,23 @@ __all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "load_check
 InitFn = Callable[[nn.Module], object]
 Prepared = nn.Module | tuple[nn.Module, torch.optim.Optimizer]
 
-_BACKENDS: dict[str, Callable[..., Prepared]] = {
-    "native": prepare_native, "fsdp": prepare_fsdp, "deepspeed": prepare_deepspeed,
-}
-"""Each backend's ``prepare(model, optimizer, spec, *, allow_approximate, replay, device)``."""
+
+
+def _backend_prepare(name: str) -> Callable[..., Prepared]:
+    """The ``prepare(model, optimizer, spec, *, allow_approximate, replay, device)`` of backend ``name``.
+    FSDP2 and DeepSpeed load torch's DTensor, FSDP and checkpoint stacks (about 2 s per process), so a
+    run on the native engine never imports them."""
+    if name == "fsdp":
+        from zerobridge.backends.fsdp.prepare import prepare as prepare_fsdp  # lazy: loads torch.distributed.fsdp
+
+        return prepare_fsdp
+    if name == "deepspeed":
+        from zerobridge.backends.deepspeed.prepare import (
+            prepare as prepare_deepspeed,  # lazy: loads torch.distributed.checkpoint (deepspeed itself when run)
+        )
+
+        return prepare_deepspeed
+    return prepare_native
 
 
 def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
@@ -162,8 +171,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     target = materialize_device(device) if replay is not None else None
     spec = _with_compile(resolve_spec(model, stage=stage, strategy=strategy, config=config), compiling,
                          wrapped=wrapper is not model)
-    prepared = _BACKENDS[chosen](model, optimizer, spec, allow_approximate=approximate, replay=replay,
-                                 device=target)
+    prepared = _backend_prepare(chosen)(model, optimizer, spec, allow_approximate=approximate, replay=replay,
+                                        device=target)
     return _rewrap(prepared, wrapper)
 
 
@@ -302,6 +311,9 @@ def save_full(path: str | Path, model: nn.Module, *, dtype: torch.dtype | None =
         model: a prepared model.
         dtype: the dtype floating tensors are written in (default: as held).
     """
+    from zerobridge.checkpoint.full import write_safetensors  # lazy: loads torch.distributed.checkpoint
+    from zerobridge.checkpoint.writer import agree  # lazy: loads torch.distributed.checkpoint
+
     whole = full_state_dict(model, rank0_only=True, offload_to_cpu=True)  # one group at a time, to rank 0's host
     state = {k: v for k, v in whole.items() if isinstance(v, torch.Tensor)}
     distributed = dist.is_initialized() and dist.get_world_size() > 1

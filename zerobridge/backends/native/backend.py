@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from zerobridge.backends.base import Backend
-from zerobridge.backends.native.checkpoint import load_native, save_native
 from zerobridge.backends.native.targets import engine_targets
 from zerobridge.engine import Engine
 from zerobridge.engine.local_runs import refresh_compute
@@ -53,10 +52,14 @@ class NativeBackend(Backend):
 
     def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
                         metadata: dict[str, Any] | None) -> Path:
+        from zerobridge.backends.native.checkpoint import save_native  # lazy: loads torch.distributed.checkpoint
+
         return save_native(path, self.model, self.engine, optimizer, metadata)
 
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
                         rng: bool) -> dict[str, Any]:
+        from zerobridge.backends.native.checkpoint import load_native  # lazy: loads torch.distributed.checkpoint
+
         return load_native(path, self.model, self.engine, optimizer, strict=strict, rng=rng)
 
     def pretrained_targets(self) -> list[Target]:
