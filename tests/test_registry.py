@@ -42,7 +42,10 @@ def test_names_users_type(name: str, stage: Stage, params: ParamSharding) -> Non
 
 def test_flavor_defaults_are_kept() -> None:
     zero3, full_shard = resolve("zero3").value, resolve("fsdp-full-shard").value
-    assert zero3.batch.clip_grad_norm == 1.0 and full_shard.batch.clip_grad_norm is None
+    # a name states how state is sharded; batch, accumulation, clipping and precision are the script's
+    for spec in (zero3, full_shard):
+        assert spec.batch.clip_grad_norm == spec.batch.accumulation_steps == spec.precision.param_dtype == "auto"
+    assert "--max_grad_norm" in resolve("zero3").report.find("batch.clip_grad_norm").note
     assert zero3.communication.persistence_threshold == 100_000
     assert full_shard.communication.persistence_threshold == 0
     nvme = resolve("deepspeed_stage_3_offload_nvme").value

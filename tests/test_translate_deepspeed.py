@@ -144,7 +144,7 @@ def test_offload_param_below_stage_3_is_ignored_with_a_warning() -> None:
 
 
 def test_offload_tiers_and_nvme() -> None:
-    t = read({"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+    t = read({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "sub_group_size": 1e8,
                                     "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6,
                                                           "pipeline_read": True, "ratio": 0.5},
                                     "offload_param": {"device": "cpu", "pin_memory": False}}})
@@ -295,7 +295,8 @@ def _auto_keys(config: dict[str, Any], prefix: str = "") -> set[str]:
 ])
 def test_auto_precision_comes_back_as_the_sections_the_source_had(source: dict[str, Any], autos: set[str]) -> None:
     """An "auto" section the source never had would let HF Trainer's --bf16 (or --fp16) switch it on."""
-    spec = read_deepspeed(Located({"zero_optimization": {"stage": 2}, **source}, "ds.json")).value
+    spec = read_deepspeed(Located({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2,
+                                   **source}, "ds.json")).value
     written = write_deepspeed(spec).value
     assert _auto_keys(written) == autos
     again = write_deepspeed(read_deepspeed(Located(written, "again.json")).value).value
@@ -309,4 +310,6 @@ def test_corpus_keeps_its_set_of_auto_keys(path: Path) -> None:
     written = write_deepspeed(read_deepspeed(source).value).value
     carried = {"optimizer", "scheduler"}  # carried verbatim, "auto" and all
     expected = {k for k in _auto_keys(source.data) if k.split(".")[0] not in carried}
+    if not {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(source.data):
+        expected.add("train_micro_batch_size_per_gpu")  # DeepSpeed needs one; "auto" lets Trainer fill it
     assert {k for k in _auto_keys(written) if k.split(".")[0] not in carried} == expected

@@ -476,8 +476,11 @@ def test_training_loop_round_trip_and_auto_values() -> None:
     assert read("fsdp1", {"training_loop": {"clip_grad_norm": 0}}).batch.clip_grad_norm is None
     auto = write_fsdp1(spec_of(batch={"clip_grad_norm": "auto", "micro_batch_size": "auto"}))
     loop = auto.value["training_loop"]
-    assert (loop["clip_grad_norm"], loop["micro_batch_size"]) == (1.0, None)
-    assert status(auto.report, "batch.clip_grad_norm") is Status.APPROXIMATED
+    assert "clip_grad_norm" not in loop and loop["micro_batch_size"] is None  # absent: left to the training script
+    assert status(auto.report, "batch.clip_grad_norm") is Status.AUTO
+    back = read("fsdp1", auto.value)
+    assert (back.batch.clip_grad_norm, back.batch.micro_batch_size) == ("auto", None)
+    assert read("fsdp2", {}).batch.accumulation_steps == "auto"
 
 
 def test_passthrough_is_carried_and_other_formats_are_not_written() -> None:

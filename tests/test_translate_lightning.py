@@ -44,7 +44,9 @@ def test_stage_2_offload_carries_lightning_defaults() -> None:
     assert s.communication.reduce_bucket == s.communication.allgather_bucket == 200_000_000
     assert s.communication.overlap_reduce is True  # Lightning turns it on below stage 3 too
     assert s.offload.sub_group_size == 10**12
-    assert s.batch.clip_grad_norm is None  # gradient_clipping 0.0: DeepSpeed's 1.0 never applies
+    # Trainer(gradient_clip_val=...) not given: the name leaves clipping (and accumulation) to the script
+    assert s.batch.clip_grad_norm == s.batch.accumulation_steps == "auto"
+    assert read_lightning("deepspeed_stage_2_offload", gradient_clip_val=0).value.batch.clip_grad_norm is None
 
 
 def test_nvme_name_and_fabric_only_name() -> None:
@@ -109,7 +111,7 @@ def test_write_picks_zero3_offload_and_makes_it_exact() -> None:
     v = t.value
     assert (v["strategy"], v["class"]) == ("deepspeed_stage_3_offload", "DeepSpeedStrategy")
     assert v["kwargs"]["pin_memory"] is True and v["kwargs"]["reduce_bucket_size"] == 500_000_000
-    assert v["trainer"] == {"precision": "bf16-mixed", "gradient_clip_val": 1.0}
+    assert v["trainer"] == {"precision": "bf16-mixed", "gradient_clip_val": 1.0, "accumulate_grad_batches": 1}
     assert t.report.find("kwargs.pin_memory").status is Status.EXACT
     assert read_lightning(v["strategy"], **v["kwargs"], **v["trainer"]).value.model_dump(
         exclude={"passthrough"}) == spec.model_dump(exclude={"passthrough"})

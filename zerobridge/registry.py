@@ -31,6 +31,7 @@ from zerobridge.spec import StrategySpec
 from zerobridge.translate.formats import read
 from zerobridge.translate.lightning import lightning_names, read_lightning
 from zerobridge.translate.report import Translation
+from zerobridge.translate.run_level import leave_to_script
 from zerobridge.translate.sources import Located
 
 __all__ = ["ACCELERATE_CODES", "Strategy", "names", "resolve", "strategies"]
@@ -55,10 +56,13 @@ class Strategy:
     file: Path
 
     def spec(self) -> Translation[StrategySpec]:
-        """The spec this entry means, read through its flavor's translator."""
+        """The spec this entry means, read through its flavor's translator. A name states
+        only how state is sharded: batch size, accumulation, clipping and precision are
+        left to the training script (``"auto"``)."""
         translation = read(Located(self.source_config, str(self.file)), self.source_format)
-        spec = translation.value.model_copy(update={"name": self.name})
-        return Translation(spec, translation.report)
+        report = translation.report
+        spec = leave_to_script(translation.value, report, consumer=f"the name {self.name!r}", precision=True)
+        return Translation(spec.model_copy(update={"name": self.name}), report)
 
 
 def _entry(path: Path) -> Strategy:

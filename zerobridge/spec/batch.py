@@ -63,6 +63,13 @@ class BatchSpec(SpecModel):
                 f"{self.accumulation_steps} = {per_rank}: global = micro x accumulation x "
                 "data-parallel size"
             )
+        micro = self.micro_batch_size
+        if per_rank is None and isinstance(micro, int) and isinstance(self.global_batch_size, int) \
+                and self.global_batch_size % micro:
+            raise ValueError(
+                f"batch.global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size={micro}: "
+                "global = micro x accumulation x data-parallel size"
+            )
         return self
 
     @property

@@ -5,9 +5,9 @@ upcast). Called by ``accelerate_read.read_accelerate``.
 
     >>> from zerobridge.translate.sources import parse_yaml
     >>> from zerobridge.translate.accelerate_read import read_accelerate
-    >>> yaml = "{distributed_type: FSDP, num_processes: 4, fsdp_config: {fsdp_sharding_strategy: SHARD_GRAD_OP}}"
+    >>> yaml = "{distributed_type: FSDP, mixed_precision: bf16, fsdp_config: {fsdp_sharding_strategy: SHARD_GRAD_OP}}"
     >>> read_accelerate(parse_yaml(yaml, "a.yaml")).value.summary()
-    'stage 3, params reshard_after_backward, compute fp32'
+    'stage 3, params reshard_after_backward, compute bf16'
 """
 
 from __future__ import annotations

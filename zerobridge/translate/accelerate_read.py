@@ -39,6 +39,7 @@ from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
+from zerobridge.translate.run_level import leave_to_script
 from zerobridge.translate.sources import Located, note_lenient, parse_json, read_text
 
 __all__ = ["read_accelerate"]
@@ -81,6 +82,11 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
                             key=keys.key("distributed_type"), fix="use FSDP, DEEPSPEED or a MULTI_* type")
     else:
         spec = _read_ddp(keys, kind, mixed, world)
+    if kind != "DEEPSPEED":
+        # Accelerate's FSDP and DDP configs hold no batch, accumulation or clipping; without
+        # mixed_precision the launcher's --mixed_precision (Trainer's --bf16/--fp16) decides.
+        spec = leave_to_script(spec, report, consumer="Accelerate",
+                               precision=not (keys.given("mixed_precision") or keys.given("fp16")))
     for section in ("fsdp_config", "deepspeed_config"):
         if _SECTIONS.get(kind) != section:
             for path in [p for p in keys.values if p.startswith(section + ".")]:

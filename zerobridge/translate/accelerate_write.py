@@ -190,10 +190,21 @@ def _checked(spec: StrategySpec, out: dict[str, Any], report: Report, hint: str)
     for path, want, got in spec_diff(spec, back):
         if not any(path == k or path.startswith(k + ".") for k in done):
             extra = hint or next((h for p, h in _HINTS.items() if path.startswith(p)), "")
-            report.add(path, Status.NOT_EXPRESSIBLE, join_notes(f"{want!r} has no form here; the config gives {got!r}",
-                                                            extra))
+            report.add(path, _status(spec, path, want), join_notes(f"{want!r} has no form here; the config gives "
+                                                                   f"{got!r}", extra))
     for fmt in spec.passthrough:
         if fmt != FORMAT:
             report.add(f"passthrough.{fmt}", Status.NOT_ABOUT_SHARDING, f"{fmt} settings are not carried into an "
                        "Accelerate config" + (f"; {hint}" if hint else ""))
     return Translation(out, report)
+
+
+def _status(spec: StrategySpec, path: str, want: Any) -> Status:
+    """How a spec field the written config does not reproduce is reported."""
+    if is_auto(want) or (path.startswith("precision.") and is_auto(spec.precision.param_dtype)):
+        # Filled at run time from the same arguments in both flavors (Trainer's --bf16/--fp16,
+        # batch and accumulation flags); a precision detail matters only once one is picked.
+        return Status.AUTO
+    if path == "batch.grad_sync":
+        return Status.EQUIVALENT  # the same gradients: only traffic and memory under accumulation differ
+    return Status.NOT_EXPRESSIBLE

@@ -3,8 +3,8 @@
     >>> from zerobridge.spec import StrategySpec, ShardingSpec
     >>> from zerobridge.translate.deepspeed_write import write_deepspeed
     >>> t = write_deepspeed(StrategySpec(sharding=ShardingSpec.for_stage(3)))
-    >>> t.value["zero_optimization"]["stage"], t.value["gradient_clipping"]
-    (3, 0.0)
+    >>> t.value["zero_optimization"]["stage"], t.value["gradient_clipping"], t.value["train_micro_batch_size_per_gpu"]
+    (3, 0.0, 'auto')
 
 DeepSpeed's defaults have moved between releases (clipping 0.0 -> 1.0,
 pin_memory false -> true), so the output never relies on one: each key the
@@ -61,8 +61,9 @@ def write_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]]:
                    f"train_batch_size = micro-batch x accumulation x {spec.sharding.world_size} fixes it",
                    target="train_batch_size")
     elif spec.sharding.world_size is not None:
-        report.add("sharding.world_size", Status.NOT_EXPRESSIBLE,
-                   f"DeepSpeed takes the world size ({spec.sharding.world_size}) from the launcher")
+        report.add("sharding.world_size", Status.EQUIVALENT,
+                   f"DeepSpeed takes the world size ({spec.sharding.world_size}) from the launcher "
+                   f"(deepspeed --num_gpus, torchrun --nproc-per-node, accelerate launch --num_processes)")
     _passthrough(spec, out, report)
     write_deepspeed_compile(spec, report)
     return Translation(out, report)
@@ -267,15 +268,27 @@ def _batch(spec: StrategySpec, stage: Stage, out: dict[str, Any], report: Report
         out["train_batch_size"] = b.micro_batch_size * b.accumulation_steps * world
     if b.micro_batch_size is not None:
         out["train_micro_batch_size_per_gpu"] = b.micro_batch_size
+    elif b.global_batch_size is None:
+        out["train_micro_batch_size_per_gpu"] = AUTO
+        report.add("batch.micro_batch_size", Status.AUTO,
+                   "no batch size in the spec: written as \"auto\", which HF Trainer and Accelerate fill; for plain "
+                   "deepspeed.initialize pass --micro-batch N to zerobridge convert",
+                   target="train_micro_batch_size_per_gpu")
     if b.accumulation_steps is not None:
         out["gradient_accumulation_steps"] = b.accumulation_steps
-    if b.micro_batch_size is None and b.global_batch_size is None:
-        report.add("batch.micro_batch_size", Status.AUTO,
-                   "no batch size in the spec: DeepSpeed needs train_batch_size or train_micro_batch_size_per_gpu, "
-                   "which HF Trainer and Accelerate fill; add one for plain deepspeed.initialize")
     out["gradient_clipping"] = 0.0 if b.clip_grad_norm is None else b.clip_grad_norm
-    report.add("batch.clip_grad_norm", Status.EXACT,
-               "written explicitly (DeepSpeed's default is 1.0 since 0.19.3)", target="gradient_clipping")
+    if is_auto(b.clip_grad_norm):
+        report.add("batch.clip_grad_norm", Status.AUTO, "\"auto\": HF Trainer fills it from --max_grad_norm; for "
+                   "plain deepspeed.initialize pass --clip to zerobridge convert", target="gradient_clipping")
+    else:
+        report.add("batch.clip_grad_norm", Status.EXACT,
+                   "written explicitly (DeepSpeed's default is 1.0 since 0.19.3)", target="gradient_clipping")
+    for name, key in (("micro_batch_size", "train_micro_batch_size_per_gpu"),
+                      ("accumulation_steps", "gradient_accumulation_steps"), ("global_batch_size", "train_batch_size")):
+        if is_auto(getattr(b, name)):
+            report.add(f"batch.{name}", Status.AUTO, "\"auto\": HF Trainer and Accelerate fill it from the same "
+                       "arguments in both flavors; for plain deepspeed.initialize pass --micro-batch / --accumulation "
+                       "to zerobridge convert", target=key)
     ds_sync = GradSync.ACCUMULATION_BOUNDARY if stage <= Stage.OPTIMIZER else GradSync.EVERY_MICRO_STEP
     if b.grad_sync is not ds_sync:
         report.add("batch.grad_sync", Status.EQUIVALENT,

@@ -144,20 +144,28 @@ class TrainingLoopForm(NamedTuple):
 
 
 def read_training_loop(r: SourceKeys) -> TrainingLoopForm:
-    """Read ``training_loop``; every absent key takes the default stated in the table."""
+    """Read ``training_loop``; absent clipping and accumulation are left to the training script
+    (``"auto"``), every other absent key takes the default stated in the table (micro and
+    global batch: null, chosen by the data loader)."""
     section(r, "training_loop")
     p = "training_loop."
-    clip = take(r, p + "clip_grad_norm", minimum=0.0)
+    clip = take(r, p + "clip_grad_norm", minimum=0.0) if r.given(p + "clip_grad_norm") else AUTO
     if clip == 0:
         clip = None
         r.mark(p + "clip_grad_norm", Status.EQUIVALENT, "0 means no clipping, as in DeepSpeed: read as null")
-    accumulation = take(r, p + "gradient_accumulation_steps", minimum=1, nullable=True)
-    if accumulation is None:
-        r.mark(p + "gradient_accumulation_steps", Status.EXACT, "null: derived by the loop as global_batch_size / "
-               "(micro_batch_size x data-parallel size)")
+    accumulation: Any = AUTO
+    if r.given(p + "gradient_accumulation_steps"):
+        accumulation = take(r, p + "gradient_accumulation_steps", minimum=1, nullable=True)
+        if accumulation is None:
+            r.mark(p + "gradient_accumulation_steps", Status.EXACT, "null: derived by the loop as "
+                   "global_batch_size / (micro_batch_size x data-parallel size)")
     sync = choice(r, p + "grad_sync", aliases=GRAD_SYNC_ALIASES)
     micro = take(r, p + "micro_batch_size", minimum=1)
     global_batch = take(r, p + "global_batch_size", minimum=1)
+    for name, value in (("clip_grad_norm", clip), ("gradient_accumulation_steps", accumulation)):
+        if is_auto(value):
+            r.report.add(p + name, Status.AUTO, "absent: left to the training script (HF Trainer fills it from "
+                         "TrainingArguments)", target=r.table.row(p + name).spec)
     activation_checkpointing = take(r, p + "activation_checkpointing")
     master = take(r, p + "master_dtype")
     loss: LossScaling = NoLossScale()

@@ -147,25 +147,29 @@ def write_training_loop(spec: StrategySpec, report: Report, *, param: DType, for
         report.add(field, status, text, target=f"training_loop.{key}")
         return value
 
+    def left(field: str, key: str) -> None:
+        report.add(field, Status.AUTO, "\"auto\": not written, left to the training script (HF Trainer fills it "
+                   "from TrainingArguments in both flavors)", target=f"training_loop.{key}")
+
     clip = b.clip_grad_norm
     if is_auto(clip):
-        clip = noted("batch.clip_grad_norm", "clip_grad_norm", 1.0,
-                     "\"auto\": written as 1.0, what Accelerate and DeepSpeed fill in")
+        left("batch.clip_grad_norm", "clip_grad_norm")
     elif clip == 0:
-        clip = noted("batch.clip_grad_norm", "clip_grad_norm", None, "0 means no clipping: written as null",
-                     Status.EQUIVALENT)
-    elif clip is not None:
-        noted("batch.clip_grad_norm", "clip_grad_norm", clip, f"the loop calls {clip_api}(max_norm={clip})",
-              Status.EXACT)
-    out["clip_grad_norm"] = clip
+        out["clip_grad_norm"] = noted("batch.clip_grad_norm", "clip_grad_norm", None,
+                                      "0 means no clipping: written as null", Status.EQUIVALENT)
+    else:
+        if clip is not None:
+            noted("batch.clip_grad_norm", "clip_grad_norm", clip, f"the loop calls {clip_api}(max_norm={clip})",
+                  Status.EXACT)
+        out["clip_grad_norm"] = clip
     steps = b.accumulation_steps
     if is_auto(steps):
-        steps = noted("batch.accumulation_steps", "gradient_accumulation_steps", 1,
-                      "\"auto\" has no launcher to fill it: written as 1")
-    elif steps is None:
-        noted("batch.accumulation_steps", "gradient_accumulation_steps", None, "null: the loop derives it as "
-              "global_batch_size / (micro_batch_size x data-parallel size)", Status.EXACT)
-    out["gradient_accumulation_steps"] = steps
+        left("batch.accumulation_steps", "gradient_accumulation_steps")
+    else:
+        if steps is None:
+            noted("batch.accumulation_steps", "gradient_accumulation_steps", None, "null: the loop derives it as "
+                  "global_batch_size / (micro_batch_size x data-parallel size)", Status.EXACT)
+        out["gradient_accumulation_steps"] = steps
     if force_no_sync and b.grad_sync is GradSync.EVERY_MICRO_STEP:
         noted("batch.grad_sync", "grad_sync", None, "ZeRO-1 reduces gradients once per optimizer step: written as "
               "no_sync")
@@ -173,8 +177,8 @@ def write_training_loop(spec: StrategySpec, report: Report, *, param: DType, for
     out["grad_sync"] = "no_sync" if no_sync else "every_micro_step"
     for name in ("micro_batch_size", "global_batch_size"):
         value = getattr(b, name)
-        out[name] = noted(f"batch.{name}", name, None, "\"auto\": written as null, left to the data loader") \
-            if is_auto(value) else value
+        out[name] = noted(f"batch.{name}", name, None, "\"auto\": written as null, chosen by the data loader",
+                          Status.AUTO) if is_auto(value) else value
     out["activation_checkpointing"] = spec.checkpoint.activation_checkpointing
     out["master_dtype"] = name_in_torch(p.master_dtype)
     out["loss_scaler"] = _write_loss_scaler(spec, report, param=param)

@@ -3,9 +3,9 @@
     >>> from zerobridge.translate.lightning import read_lightning, write_lightning
     >>> spec = read_lightning("deepspeed_stage_2_offload").value
     >>> spec.summary()
-    'stage 2, params replicated, offload optimizer=cpu params=none, compute fp32'
+    'stage 2, params replicated, offload optimizer=cpu params=none, compute auto'
     >>> spec.communication.reduce_bucket, spec.offload.optimizer.pin_memory, spec.batch.clip_grad_norm
-    (200000000, False, None)
+    (200000000, False, 'auto')
     >>> write_lightning(spec).value["strategy"]
     'deepspeed_stage_2_offload'
     >>> read_lightning("lightning:fsdp", precision="bf16-mixed").value.precision.reduce_dtype.value
@@ -34,6 +34,7 @@ from zerobridge.translate.fsdp1 import read_fsdp1
 from zerobridge.translate.keys import SourceKeys, spec_diff, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
+from zerobridge.translate.run_level import leave_to_script
 from zerobridge.translate.sources import Located, parse_json, read_text
 
 __all__ = ["lightning_names", "read_lightning", "write_lightning"]
@@ -93,6 +94,12 @@ def read_lightning(name: str, *, fabric: bool = False, **kwargs: Any) -> Transla
         report.extend(t.report)
         spec = t.value
     keys.note_rest()
+    stated = tuple(field for path, field in (("Trainer.accumulate_grad_batches", "accumulation_steps"),
+                                             ("Trainer.gradient_clip_val", "clip_grad_norm")) if keys.given(path))
+    if keys.given("DeepSpeedStrategy.config"):
+        stated += ("micro_batch_size", "global_batch_size")
+    spec = leave_to_script(spec, report, consumer="Lightning", stated=stated,
+                           precision=not keys.given("Trainer.precision"))
     carried = keys.passthrough()
     if carried:
         spec = update_spec(spec, {"passthrough": {**spec.passthrough, FORMAT: carried}})
@@ -283,12 +290,16 @@ def _trainer_args(spec: StrategySpec, report: Report) -> dict[str, Any]:
     elif p.param_dtype != DType.FP32:
         kind = "mixed" if p.master_dtype == DType.FP32 else "true"
         out["precision"] = f"{'16' if p.param_dtype == DType.FP16 else 'bf16'}-{kind}"
+    else:
+        out["precision"] = "32-true"  # stated: a name read without precision leaves it to the script
     if not isinstance(b.accumulation_steps, int):
         report.add("batch.accumulation_steps", Status.AUTO, "left to Trainer(accumulate_grad_batches=...)")
-    elif b.accumulation_steps != 1:
+    else:
         out["accumulate_grad_batches"] = b.accumulation_steps
-    if isinstance(b.clip_grad_norm, float) and b.clip_grad_norm > 0:
-        out["gradient_clip_val"] = b.clip_grad_norm
+    if is_auto(b.clip_grad_norm):
+        report.add("batch.clip_grad_norm", Status.AUTO, "left to Trainer(gradient_clip_val=...)")
+    else:
+        out["gradient_clip_val"] = b.clip_grad_norm or 0.0
     return out
 
 
