@@ -20,7 +20,7 @@ from zerobridge.registry import strategies
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.compilation import CompileMode, CompileScope, CompileSpec
 from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
-from zerobridge.translate.formats import for_world_size
+from zerobridge.translate.run_level import with_run_settings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 launch = pytest.importorskip("accelerate.commands.launch")
@@ -56,7 +56,7 @@ def launched(config: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def check(spec: StrategySpec, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if spec.sharding.world_size is None:
-        spec = for_world_size(spec, WORLD)
+        spec = with_run_settings(spec, world_size=WORLD).value
     config = WRITERS[target](spec).value
     assert config["num_processes"] == spec.sharding.world_size
     plugin = launched(config, tmp_path, monkeypatch)
@@ -116,7 +116,7 @@ def test_deepspeed_runs_get_no_dynamo_settings(tmp_path: Path, monkeypatch: pyte
     distributed_type DEEPSPEED never reaches the training process."""
     from accelerate.utils import TorchDynamoPlugin
 
-    spec = for_world_size(load_spec("zero2").value, WORLD)
+    spec = with_run_settings(load_spec("zero2").value, world_size=WORLD).value
     config = {**write_accelerate_deepspeed(spec).value, "dynamo_config": {"dynamo_backend": "INDUCTOR"}}
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
     launched(config, tmp_path, monkeypatch)

@@ -197,8 +197,120 @@ def test_world_size_that_does_not_fit_is_bad_input(capsys: pytest.CaptureFixture
         assert fragment in err
 
 
-def test_world_size_against_the_source_s_own(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_world_size_against_the_source_s_own_overrides_it_with_a_warning(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path: Path) -> None:
+    import yaml
+
     source = tmp_path / "accelerate.yaml"
     source.write_text("distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_version: 2\n")
     code, out, err = run(capsys, "convert", str(source), "--to", "accelerate-fsdp", "--world-size", "8")
-    assert code == 2 and "the source is for 4 ranks" in err and "pass --world-size 4" in err
+    assert code == 0 and yaml.safe_load(out)["num_processes"] == 8  # as accelerate launch --num_processes 8
+    assert "warning: sharding.world_size: overridden" in err and "replaces the source's 4" in err
+    assert run(capsys, "convert", str(source), "--to", "accelerate-fsdp", "--world-size", "8", "--strict")[0] == 0
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}, "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, '
+                  '"gradient_accumulation_steps": 2}')
+    code, out, err = run(capsys, "convert", str(ds), "--to", "deepspeed", "--world-size", "4")
+    assert code == 0 and "global batch" not in err  # the source states no world size: nothing overridden
+    assert json.loads(out)["train_batch_size"] == 64
+
+
+# --- run-level keys, reports that rank what matters, the Trainer form --------------------------------------------
+
+ACCELERATE_FSDP = "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n"
+
+ZERO2_AUTO = json.dumps({  # the shape of transformers' tests/deepspeed/ds_config_zero2.json
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                  "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False})
+
+
+def warning_keys(err: str) -> list[str]:
+    return [line.split(": ")[2] for line in err.splitlines() if line.startswith("zerobridge: warning: ")]
+
+
+def test_accelerate_fsdp_to_deepspeed_leaves_run_level_keys_to_the_trainer(capsys: pytest.CaptureFixture[str],
+                                                                          tmp_path: Path) -> None:
+    source = tmp_path / "fsdp.yaml"
+    source.write_text(ACCELERATE_FSDP)
+    code, out, err = run(capsys, "convert", str(source), "--to", "deepspeed")
+    ds = json.loads(out)
+    assert code == 0 and "gradient_clipping" not in warning_keys(err)
+    assert (ds["gradient_clipping"], ds["gradient_accumulation_steps"], ds["train_micro_batch_size_per_gpu"]) == \
+        ("auto", "auto", "auto")
+    assert ds["bf16"]["enabled"] is True  # stated by the source: kept (Trainer then needs --bf16)
+
+
+def test_run_level_flags_make_a_config_plain_deepspeed_initialize_reads(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path) -> None:
+    deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
+    source = tmp_path / "fsdp.yaml"
+    source.write_text(ACCELERATE_FSDP)
+    code, out, err = run(capsys, "convert", str(source), "--to", "deepspeed", "--micro-batch", "4",
+                         "--accumulation", "2", "--clip", "1.0", "--precision", "fp32")
+    ds = json.loads(out)
+    assert code == 0 and "auto" not in out
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"],
+            ds["train_batch_size"], ds["bf16"]["enabled"]) == (4, 2, 1.0, 16, False)  # 4 x 2 x num_processes 2
+    assert "warning: precision.param_dtype: overridden" in err and "replaces the source's bf16" in err
+    # DeepSpeedConfig checks batch = micro x accumulation x world at world 1 here (no process group)
+    checked = deepspeed_config.DeepSpeedConfig({k: v for k, v in ds.items() if k != "train_batch_size"})
+    assert (checked.train_micro_batch_size_per_gpu, checked.gradient_accumulation_steps) == (4, 2)
+    assert checked.gradient_clipping == 1.0 and not checked.bfloat16_config.enabled
+    code, out, _ = run(capsys, "convert", str(source), "--to", "deepspeed", "--clip", "0")
+    assert code == 0 and json.loads(out)["gradient_clipping"] == 0.0
+    with pytest.raises(SystemExit) as exited:  # argparse's own exit 2
+        main(["convert", str(source), "--to", "deepspeed", "--clip", "-1"])
+    assert exited.value.code == 2 and "expected a bound >= 0" in capsys.readouterr().err
+
+
+def test_convert_needs_a_target(capsys: pytest.CaptureFixture[str], ds_file: Path) -> None:
+    code, out, err = run(capsys, "convert", str(ds_file))
+    assert code == 2 and out == "" and "convert needs --to FORMAT, --trainer-args or --trainer-code" in err
+
+
+def test_hf_zero2_to_accelerate_fsdp_warns_only_what_changes_the_run(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    source = tmp_path / "ds_config_zero2.json"
+    source.write_text(ZERO2_AUTO)
+    code, out, err = run(capsys, "convert", str(source), "--to", "accelerate-fsdp")
+    assert code == 0 and warning_keys(err) == ["sharding", "offload", "scheduler"]
+    scheduler = next(line for line in err.splitlines() if line.startswith("zerobridge: warning: scheduler"))
+    assert "(numbers)" in scheduler and "--lr_scheduler_type constant_with_warmup" in scheduler
+    assert f"zerobridge convert {source} --trainer-args" in scheduler  # the user's own path, ready to run
+    note = [line for line in err.splitlines() if line.startswith("zerobridge: note: ")]
+    assert len(note) == 1 and "change only speed" in note[0] and "--explain lists them" in note[0]
+    explained = run(capsys, "convert", str(source), "--to", "accelerate-fsdp", "--explain")[2]
+    for key in ("communication.reduce_bucket", "optimizer", "batch.clip_grad_norm", "zero_optimization.stage"):
+        assert key in explained
+    assert "(speed)" in explained and "(memory)" in explained
+
+
+@pytest.mark.parametrize("target, fix", [
+    ("accelerate-fsdp", "--lr_scheduler_type"), ("accelerate-deepspeed", "--lr_scheduler_type"),
+    ("fsdp1", "--lr_scheduler_type"), ("fsdp2", "--lr_scheduler_type"), ("lightning", "configure_optimizers"),
+])
+def test_every_target_that_drops_the_scheduler_says_how_to_keep_it(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path, target: str, fix: str) -> None:
+    source = tmp_path / "ds.json"
+    source.write_text('{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2, '
+                      '"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, '
+                      '"warmup_num_steps": 10, "warmup_type": "linear"}}}')
+    code, _, err = run(capsys, "convert", str(source), "--to", target)
+    line = next(x for x in err.splitlines() if x.startswith("zerobridge: warning: scheduler"))
+    assert code == 0 and fix in line and "WarmupDecayLR" in line
+
+
+def test_no_scheduler_no_optimizer_no_warning(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "ds.json"
+    source.write_text('{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2}')
+    _, _, err = run(capsys, "convert", str(source), "--to", "fsdp2")
+    assert not {"optimizer", "scheduler"} & set(warning_keys(err))

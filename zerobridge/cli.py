@@ -4,6 +4,8 @@
     zerobridge convert accelerate_fsdp.yaml --to deepspeed   # a DeepSpeed JSON
     zerobridge convert zero3-offload --to accelerate-fsdp     # registry names work as input
     zerobridge convert ds_config.json --to fsdp1 --explain    # plus the key-by-key report (stderr)
+    zerobridge convert ds_config.json --trainer-args          # Trainer flags keeping its optimizer, scheduler
+    zerobridge convert fsdp.yaml --to deepspeed --micro-batch 4 --clip 1.0   # concrete values for deepspeed.initialize
     zerobridge explain ds_config.json --params 7e9 --world-size 64
     zerobridge diff a.json b.yaml                             # same run or not, and what differs
     zerobridge strategies                                     # the registry, one line each
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,9 +45,11 @@ from zerobridge.explain import explain
 from zerobridge.launch import add_run_arguments, launch
 from zerobridge.load import load_spec
 from zerobridge.registry import strategies
-from zerobridge.translate.formats import SOURCES, TARGETS, YAML_TARGETS, for_world_size, write
+from zerobridge.translate.formats import SOURCES, TARGETS, YAML_TARGETS, write
 from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report
+from zerobridge.translate.run_level import trainer_run_flags, with_run_settings
+from zerobridge.translate.trainer_args import trainer_form_of
 
 __all__ = ["main"]
 
@@ -59,6 +64,16 @@ def _number(text: str) -> int:
     return int(value)
 
 
+def _bound(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 1.0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a bound >= 0 (0: no clipping), got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerobridge", description="One partitioning spec for DeepSpeed ZeRO and FSDP.")
     p.add_argument("--version", action="version", version=f"zerobridge {__version__}")
@@ -66,14 +81,27 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="turn a config or strategy name into another format")
     c.add_argument("source", help="config file or strategy name")
-    c.add_argument("--to", required=True, choices=sorted(TARGETS), help="target format")
+    c.add_argument("--to", choices=sorted(TARGETS), help="target format (optional with --trainer-args/--trainer-code)")
     c.add_argument("--from", dest="fmt", choices=sorted(SOURCES), help="source format (detected when omitted)")
     c.add_argument("--explain", action="store_true", help="print the key-by-key report on stderr")
     c.add_argument("--strict", action="store_true", help="exit 1 when anything is approximated")
     c.add_argument("--world-size", type=_number, metavar="N",
                    help="ranks the config will run on: written where the target has a key for it (Accelerate "
-                        "num_processes, DeepSpeed train_batch_size, FSDP meshes); hybrid groups must divide it")
+                        "num_processes, DeepSpeed train_batch_size, FSDP meshes); hybrid groups must divide it; "
+                        "a source written for another world size is overridden with a warning")
     c.add_argument("-o", "--output", type=Path, help="write here (atomically) instead of stdout")
+    run = c.add_argument_group("run-level values", "state what the source leaves \"auto\" (plain "
+                               "deepspeed.initialize cannot read \"auto\"); a stated value overrides the source's")
+    run.add_argument("--micro-batch", type=_number, metavar="N", help="samples per rank per forward")
+    run.add_argument("--accumulation", type=_number, metavar="N", help="micro-batches per optimizer step")
+    run.add_argument("--clip", type=_bound, metavar="X", help="gradient 2-norm bound; 0: no clipping")
+    run.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute dtype")
+    trainer = c.add_mutually_exclusive_group()
+    trainer.add_argument("--trainer-args", action="store_true",
+                         help="print, on one line, the Hugging Face TrainingArguments flags that keep the source's "
+                              "optimizer, scheduler and stated run-level values (the config goes to -o)")
+    trainer.add_argument("--trainer-code", action="store_true",
+                         help="print torch code that builds the source's optimizer and scheduler in a plain loop")
 
     e = sub.add_parser("explain", help="what is sharded where; bytes per rank; bytes moved per step")
     e.add_argument("source", help="config file or strategy name")
@@ -117,9 +145,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _warn(report: Report) -> None:
-    for entry in report.warnings:
-        print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
+def _warn(*reports: Report, source: str) -> None:
+    """One stderr line per entry that changes the numbers or the memory; speed-only ones as one line."""
+    for report in reports:
+        for entry in report.warnings:
+            note = entry.note.replace("zerobridge convert SOURCE", f"zerobridge convert {shlex.quote(source)}")
+            changes = f" ({entry.impact.value})" if entry in report.approximations else ""
+            print(f"zerobridge: warning: {entry.key}: {entry.status.value}{changes}: {note}", file=sys.stderr)
+    speed = [e for r in reports for e in r.speed_only]
+    if speed:
+        knobs = "setting has" if len(speed) == 1 else "settings have"
+        print(f"zerobridge: note: {len(speed)} {knobs} no form in the target and change only speed "
+              f"({', '.join(e.key for e in speed[:3])}{', ...' if len(speed) > 3 else ''}); --explain lists them",
+              file=sys.stderr)
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -138,18 +176,36 @@ def _render(value: Any, target: str) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    if args.to is None and not (args.trainer_args or args.trainer_code):
+        raise ConfigError("convert needs --to FORMAT, --trainer-args or --trainer-code",
+                          fix=f"add --to one of {', '.join(sorted(TARGETS))}")
     read = load_spec(args.source, fmt=args.fmt)
-    spec = read.value if args.world_size is None else for_world_size(read.value, args.world_size)
-    written = write(spec, args.to)
+    settings = with_run_settings(read.value, micro_batch=args.micro_batch, accumulation=args.accumulation,
+                                 clip=args.clip, precision=args.precision, world_size=args.world_size)
+    spec = settings.value
+    reports = [read.report, settings.report]
+    written = write(spec, args.to) if args.to else None
+    if written is not None:
+        reports.append(written.report)
     if args.explain:
-        print(read.report.render(), file=sys.stderr)
-        print(written.report.render(), file=sys.stderr)
-    _warn(read.report)
-    _warn(written.report)
-    if args.strict and (read.report.approximations or written.report.approximations):
+        for report in reports:
+            if report.entries or report is not settings.report:
+                print(report.render(), file=sys.stderr)
+    _warn(*reports, source=str(args.source))
+    if args.strict and any(r.approximations for r in reports):
         print("zerobridge: --strict: approximations above; nothing written", file=sys.stderr)
         return 1
-    _emit(_render(written.value, args.to), args.output)
+    if written is not None:
+        if args.output is None and (args.trainer_args or args.trainer_code):
+            print(f"zerobridge: note: the {args.to} config is not printed beside the trainer output: pass -o FILE "
+                  "to write it", file=sys.stderr)
+        else:
+            _emit(_render(written.value, args.to), args.output)
+    if args.trainer_args:
+        flags = (*trainer_run_flags(spec), *trainer_form_of(spec).flags)
+        print(" ".join(shlex.quote(f) for f in flags))
+    elif args.trainer_code:
+        print(trainer_form_of(spec).code)
     return 0
 
 
@@ -157,7 +213,7 @@ def _explain(args: argparse.Namespace) -> int:
     read = load_spec(args.source, fmt=args.fmt)
     result = explain(read.value, params=args.params, world_size=args.world_size,
                      local_world_size=args.local_world_size, optimizer=args.optimizer)
-    _warn(read.report)
+    _warn(read.report, source=str(args.source))
     print(json.dumps(result.to_json(), indent=2) if args.json else result.render())
     return 0
 

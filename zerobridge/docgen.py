@@ -10,7 +10,9 @@ table or a registry entry fails CI until the docs are regenerated.
 from __future__ import annotations
 
 import argparse
+import ast
 import enum
+import inspect
 import sys
 import types
 import typing
@@ -22,7 +24,10 @@ from pydantic.fields import FieldInfo
 
 from zerobridge.registry import ACCELERATE_CODES, strategies
 from zerobridge.spec import StrategySpec
+from zerobridge.translate import trainer_args
 from zerobridge.translate.mapping import load_table, table_names
+from zerobridge.translate.report import IMPACTS, Impact
+from zerobridge.translate.run_level import CLI_FLAGS, RUN_LEVEL_KEYS, TRAINER_FLAGS
 
 __all__ = ["render_all", "main"]
 
@@ -127,7 +132,66 @@ def render_translators() -> str:
                        "; ".join(f"`{p}` ({note})" for p, note in table.removed.items()) + ".\n")
         if table.notes:
             out.append("\n" + "".join(f"- {note}\n" for note in table.notes))
+    out.extend(_under_trainer())
     return "".join(out)
+
+
+def _under_trainer() -> list[str]:
+    """The "Running under Trainer" section: run-level keys, optimizer/scheduler flags, the report's levels."""
+    out = ["\n## Running under Trainer\n\n",
+           "Most users launch Hugging Face `Trainer` (directly or through axolotl, TRL, LLaMA-Factory), which fills "
+           "a DeepSpeed JSON's `\"auto\"` values from `TrainingArguments` and refuses concrete values that disagree "
+           "with them. `tests/test_trainer_config.py` runs that check on every DeepSpeed JSON written from the corpus "
+           "and the registry; `tests/test_trainer_deepspeed.py` runs Trainer at world 2 under `--deepspeed` with "
+           "them and compares each step with plain DDP.\n\n",
+           "### Which keys become `\"auto\"`\n\n",
+           "A source that leaves a run-level value to the training script (Accelerate FSDP and DDP configs, FSDP "
+           "kwargs without that `training_loop` key, Lightning and registry names; precision when the source does "
+           "not state it) reads it as `\"auto\"`, and a DeepSpeed JSON written from it says `\"auto\"`. A source "
+           "that states it (a DeepSpeed JSON, torchtitan, a `training_loop` key) keeps its value. Plain "
+           "`deepspeed.initialize` cannot read `\"auto\"`: `zerobridge convert` states each value with a flag.\n\n"
+           "| DeepSpeed key | spec field | Trainer fills it from | `zerobridge convert` flag |\n|---|---|---|---|\n"]
+    for key, name in RUN_LEVEL_KEYS:
+        spec_path = f"precision.{name}" if name == "param_dtype" else f"batch.{name}"
+        out.append(f"| `{key}` | `{spec_path}` | `{TRAINER_FLAGS[name]}` | `{CLI_FLAGS[name]}` |\n")
+    out.append("\nWith no batch key at all, `train_micro_batch_size_per_gpu: \"auto\"` is written: DeepSpeed needs "
+               "one. "
+               "`--world-size N` overrides a source written for another world size, with a warning.\n\n"
+               "### Optimizer and scheduler\n\n"
+               "An Accelerate YAML, FSDP kwargs and Lightning strategies cannot carry a DeepSpeed `optimizer` or "
+               "`scheduler` section. The report says so once per section, as a change to the numbers, naming the "
+               "`TrainingArguments` flags that rebuild it; `zerobridge convert SRC --trainer-args` prints them on "
+               "one line (with the stated run-level values), `--trainer-code` prints torch code for a plain loop "
+               "(exact, DeepSpeed's own schedule formula). The flags hold with and without the DeepSpeed JSON.\n\n"
+               "```\n" + _docstring_table(trainer_args.__doc__ or "") + "```\n\n"
+               "### What the report warns about\n\n"
+               "Every entry not carried exactly says what it changes; stderr warns, one line each, about the first "
+               "two, folds the third into one note line, and `--explain` lists everything. `--strict` exits 1 on any "
+               "approximation, whatever it changes. `\"auto\"` values are not warned: both flavors fill them from "
+               "the same arguments.\n\n| changes | meaning | spec paths |\n|---|---|---|\n")
+    for impact in Impact:
+        paths = ", ".join(f"`{p}`" for p, i in IMPACTS.items() if i is impact)
+        doc = " ".join((_member_doc(Impact, impact.name) or "").split())
+        out.append(f"| `{impact.value}` | {doc} | {paths} |\n")
+    return out
+
+
+def _docstring_table(doc: str) -> str:
+    """The ``====``-ruled table in a module docstring, as text."""
+    lines = doc.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("====")]
+    return "\n".join(lines[rules[0]:rules[-1] + 1]) + "\n" if len(rules) >= 2 else ""
+
+
+def _member_doc(enum_cls: type[enum.Enum], name: str) -> str | None:
+    """The docstring written under an enum member (read from the source)."""
+    tree = ast.parse(inspect.getsource(enum_cls))
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets) \
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            return str(after.value.value)
+    return None
 
 
 def _named_strategies(fmt: str) -> list[str]:

@@ -22,6 +22,7 @@ from zerobridge.errors import ConfigError
 from zerobridge.spec import DType, SizeWrap, StrategySpec, is_auto
 from zerobridge.translate.accelerate_common import FORMAT, D, F
 from zerobridge.translate.accelerate_read import read_accelerate
+from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import write_dynamo
 from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.keys import join_notes, spec_diff
@@ -192,10 +193,7 @@ def _checked(spec: StrategySpec, out: dict[str, Any], report: Report, hint: str)
             extra = hint or next((h for p, h in _HINTS.items() if path.startswith(p)), "")
             report.add(path, _status(spec, path, want), join_notes(f"{want!r} has no form here; the config gives "
                                                                    f"{got!r}", extra))
-    for fmt in spec.passthrough:
-        if fmt != FORMAT:
-            report.add(f"passthrough.{fmt}", Status.NOT_ABOUT_SHARDING, f"{fmt} settings are not carried into an "
-                       "Accelerate config" + (f"; {hint}" if hint else ""))
+    report_carried(spec, report, own=FORMAT, target="an Accelerate config", trainer=True, elsewhere=hint)
     return Translation(out, report)
 
 

@@ -32,6 +32,7 @@ from zerobridge.spec import (
 )
 from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
+from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.mapping import load_table
@@ -328,7 +329,4 @@ def _passthrough(spec: StrategySpec, out: dict[str, Any], report: Report) -> Non
             node = node.setdefault(part, {})
         node.setdefault(leaf, value)
         report.add(path, Status.NOT_ABOUT_SHARDING, "carried verbatim")
-    for fmt in spec.passthrough:
-        if fmt != FORMAT:
-            report.add(f"passthrough.{fmt}", Status.NOT_ABOUT_SHARDING,
-                       f"settings carried from {fmt} have no DeepSpeed form; not written")
+    report_carried(spec, report, own=FORMAT, target="a DeepSpeed config", trainer=False)

@@ -34,7 +34,7 @@ from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, note_lenient, parse_json, parse_toml, parse_yaml, read_text
 from zerobridge.translate.torchtitan import read_torchtitan
 
-__all__ = ["SOURCES", "TARGETS", "detect_format", "for_world_size", "read", "read_file", "write"]
+__all__ = ["SOURCES", "TARGETS", "detect_format", "read", "read_file", "write"]
 
 Reader = Callable[[Located], Translation[StrategySpec]]
 Writer = Callable[[StrategySpec], Translation[Any]]
@@ -111,26 +111,6 @@ def write(spec: StrategySpec, target: str) -> Translation[Any]:
         raise ConfigError(f"unknown target {target!r}",
                           fix=f"did you mean {suggestion!r}?" if suggestion else f"use one of: {', '.join(TARGETS)}")
     return TARGETS[target](spec)
-
-
-def for_world_size(spec: StrategySpec, world_size: int) -> StrategySpec:
-    """``spec`` for a run on ``world_size`` ranks (``convert --world-size``): ``ConfigError``
-    when the source already fixes another one, or a group of the spec does not divide it."""
-    key = "--world-size"
-    if world_size < 1:
-        raise ConfigError(f"--world-size {world_size}: need at least one rank", key=key)
-    fixed = spec.sharding.world_size
-    if fixed is not None and fixed != world_size:
-        raise ConfigError(f"--world-size {world_size}, but the source is for {fixed} ranks", key=key,
-                          fix=f"pass --world-size {fixed}, or change the source")
-    data = spec.model_dump()
-    data["sharding"]["world_size"] = world_size
-    try:
-        return StrategySpec.model_validate(data)
-    except ValidationError as exc:
-        error = from_validation_error(exc)
-        raise ConfigError(error.message, key=key, fix=error.fix or
-                          "pass a world size the spec's groups divide") from None
 
 
 def read_spec(located: Located) -> Translation[StrategySpec]:

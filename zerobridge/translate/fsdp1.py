@@ -37,6 +37,7 @@ from zerobridge.spec import (
     ShardingSpec,
     StrategySpec,
 )
+from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
 from zerobridge.translate.fsdp_common import (
@@ -232,6 +233,7 @@ def write_fsdp1(spec: StrategySpec) -> Translation[dict[str, Any]]:
     if isinstance(spec.wrapping, RootWrap) and out["sharding_strategy"] in HYBRID and out["device_mesh"] is None:
         report.add("wrapping", Status.APPROXIMATED, "FSDP1 rejects a hybrid strategy with neither an "
                    "auto_wrap_policy nor a device_mesh: give one", target="auto_wrap_policy")
+    report_carried(spec, report, own=FMT, target="FSDP1 kwargs", trainer=True)
     return Translation({key: out[key] for key in ORDER if key in out}, report)
 
 

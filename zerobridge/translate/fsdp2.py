@@ -37,6 +37,7 @@ from zerobridge.spec import (
     ShardingSpec,
     StrategySpec,
 )
+from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import read_compute_copy
 from zerobridge.translate.fsdp_common import (
@@ -196,6 +197,7 @@ def write_fsdp2(spec: StrategySpec) -> Translation[dict[str, Any]]:
     loop["full_state_dict"] = checkpoint_format(spec, report, target="training_loop.full_state_dict") is \
         CheckpointFormat.FULL
     out["training_loop"] = loop
+    report_carried(spec, report, own=FMT, target="FSDP2 kwargs", trainer=True)
     return Translation(out, report)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import DType, StrategySpec, is_auto
+from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import no_compile_form
 from zerobridge.translate.compute_copy import note_layout, write_compute_copy
 from zerobridge.translate.deepspeed_read import read_deepspeed
@@ -268,9 +269,8 @@ def write_lightning(spec: StrategySpec) -> Translation[dict[str, Any]]:
         if path.startswith("compile."):
             continue
         report.add(path, Status.NOT_EXPRESSIBLE, f"{want!r} has no form here; {name} gives {got!r}; {hint}")
-    for fmt in spec.passthrough:
-        if fmt != FORMAT:
-            report.add(f"passthrough.{fmt}", Status.NOT_ABOUT_SHARDING, f"{fmt} settings are not carried")
+    report_carried(spec, report, own=FORMAT, target="a Lightning strategy", trainer=False,
+                   elsewhere=f"{_DS_HINT}, which keeps it" if cls == "DeepSpeedStrategy" else "")
     value = {"strategy": name, "class": cls, "kwargs": kwargs, "trainer": trainer}
     return Translation(value, report)
 

@@ -193,7 +193,7 @@ class Report:
         for e in self.entries:
             arrow = f" -> {e.target}" if e.target else ""
             note = f"  {e.note}" if e.note else ""
-            changes = f" ({e.impact.value})" if e.status in NOTICE else ""
+            changes = f" ({e.impact.value})" if e.status in WARN else ""
             lines.append(f"  {e.key:<{width}}  {e.status.value:<18}{arrow}{note}{changes}")
         return "\n".join(lines)
 

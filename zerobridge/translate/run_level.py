@@ -37,7 +37,8 @@ from zerobridge.spec import AUTO, DType, StrategySpec, is_auto
 from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report, Status, Translation
 
-__all__ = ["BATCH_FIELDS", "TRAINER_FLAGS", "leave_to_script", "with_run_settings"]
+__all__ = ["BATCH_FIELDS", "CLI_FLAGS", "RUN_LEVEL_KEYS", "TRAINER_FLAGS", "leave_to_script", "trainer_run_flags",
+           "with_run_settings"]
 
 BATCH_FIELDS = ("micro_batch_size", "accumulation_steps", "global_batch_size", "clip_grad_norm")
 """The spec's run-level batch fields (``batch.*``)."""
@@ -51,11 +52,19 @@ TRAINER_FLAGS: dict[str, str] = {
 }
 """Where Hugging Face ``Trainer`` takes each run-level value from."""
 
+RUN_LEVEL_KEYS: tuple[tuple[str, str], ...] = (
+    ("train_micro_batch_size_per_gpu", "micro_batch_size"), ("gradient_accumulation_steps", "accumulation_steps"),
+    ("train_batch_size", "global_batch_size"), ("gradient_clipping", "clip_grad_norm"),
+    ("fp16.enabled, bf16.enabled", "param_dtype"),
+)
+"""DeepSpeed's run-level keys and the spec field each one states."""
+
 _PARAM = "precision.param_dtype"
-_CLI_FLAGS: dict[str, str] = {
+CLI_FLAGS: dict[str, str] = {
     "micro_batch_size": "--micro-batch", "accumulation_steps": "--accumulation",
     "global_batch_size": "--micro-batch and --world-size", "clip_grad_norm": "--clip", "param_dtype": "--precision",
 }
+"""The ``zerobridge convert`` flag that states each run-level value."""
 
 
 def leave_to_script(spec: StrategySpec, report: Report, *, consumer: str, stated: tuple[str, ...] = (),
@@ -79,7 +88,7 @@ def leave_to_script(spec: StrategySpec, report: Report, *, consumer: str, stated
         name = path.rsplit(".", 1)[-1]
         report.add(path, Status.AUTO, f"{consumer} leaves it to the training script: HF Trainer fills it from "
                                       f"{TRAINER_FLAGS[name]}; for plain deepspeed.initialize pass "
-                                      f"{_CLI_FLAGS[name]} to zerobridge convert", target=path)
+                                      f"{CLI_FLAGS[name]} to zerobridge convert", target=path)
     return StrategySpec.model_validate({**spec.model_dump(), **{k: v.model_dump() for k, v in update.items()}})
 
 
@@ -109,7 +118,7 @@ def with_run_settings(spec: StrategySpec, *, micro_batch: int | None = None, acc
         return Translation(StrategySpec.model_validate(data), report)
     except ValidationError as exc:
         error = from_validation_error(exc)
-        raise ConfigError(error.message, key=error.key, fix=error.fix or
+        raise ConfigError(error.message, key="--world-size" if world_size is not None else error.key, fix=error.fix or
                           "pass values that satisfy global = micro x accumulation x world size") from None
 
 
@@ -168,3 +177,23 @@ def _world(report: Report, data: dict[str, Any], spec: StrategySpec, world_size:
                               fix="pass --micro-batch or --accumulation as well, or another --world-size")
         note += f"; accumulation becomes {total // (micro * world_size)} to keep the global batch {total}"
     report.add("sharding.world_size", Status.OVERRIDDEN, note, target="sharding.world_size")
+
+
+def trainer_run_flags(spec: StrategySpec) -> tuple[str, ...]:
+    """The ``TrainingArguments`` flags for the run-level values ``spec`` states (none for
+    ``"auto"``): what Trainer's check of a DeepSpeed config compares them with."""
+    b, dtype = spec.batch, spec.precision.param_dtype
+    flags: list[str] = []
+    if isinstance(b.micro_batch_size, int):
+        flags += ["--per_device_train_batch_size", str(b.micro_batch_size)]
+    if isinstance(b.accumulation_steps, int):
+        flags += ["--gradient_accumulation_steps", str(b.accumulation_steps)]
+    if b.clip_grad_norm is None:
+        flags += ["--max_grad_norm", "0"]  # Trainer clips only above 0
+    elif not is_auto(b.clip_grad_norm):
+        flags += ["--max_grad_norm", repr(float(b.clip_grad_norm))]
+    if dtype == DType.BF16:
+        flags.append("--bf16")
+    elif dtype == DType.FP16:
+        flags.append("--fp16")
+    return tuple(flags)

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import StrategySpec
+from zerobridge.translate.carried import SECTIONS
 from zerobridge.translate.fsdp2 import write_fsdp2
 from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Entry, Status
@@ -129,8 +130,8 @@ def assess(spec: StrategySpec, *, world_size: int, local_world_size: int,
     form, out = translation.value, Assessment(translation.value)
     accumulation = accumulation_steps if accumulation_steps is not None else spec.batch.accumulation_steps
     for entry in translation.report.approximations:
-        if entry.key in HANDLED:
-            continue
+        if entry.key in HANDLED or entry.key.split(".")[0] in SECTIONS:
+            continue  # SECTIONS: the script's optimizer and scheduler, not FSDP's to run
         if entry.key.startswith(_TUNING_PREFIXES):
             out.tuning.append(entry)
         elif entry.key == "precision.accumulate_dtype" and accumulation == 1:
