@@ -314,3 +314,53 @@ def test_no_scheduler_no_optimizer_no_warning(capsys: pytest.CaptureFixture[str]
     source.write_text('{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2}')
     _, _, err = run(capsys, "convert", str(source), "--to", "fsdp2")
     assert not {"optimizer", "scheduler"} & set(warning_keys(err))
+
+
+def test_trainer_args_is_one_line_trainer_parses(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    source = tmp_path / "ds.json"
+    source.write_text(json.dumps({
+        "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000, "warmup_num_steps": 50,
+                                                          "warmup_max_lr": 3e-4, "warmup_type": "linear"}}}))
+    code, out, err = run(capsys, "convert", str(source), "--to", "accelerate-fsdp", "--trainer-args")
+    assert code == 0 and out.count("\n") == 1 and "not printed beside the trainer output: pass -o FILE" in err
+    parser = transformers.HfArgumentParser(transformers.TrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses([*out.split(), "--output_dir", str(tmp_path), "--use_cpu", "true"])
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm, args.bf16) == \
+        (4, 2, 0.5, True)
+    assert (args.optim.value, args.learning_rate, args.adam_beta2, args.weight_decay) == ("adamw_torch", 3e-4, 0.95, 0)
+    assert (args.lr_scheduler_type.value, args.warmup_steps, args.max_steps) == ("linear", 50, 1000)
+    written = tmp_path / "fsdp.yaml"
+    code, again, _ = run(capsys, "convert", str(source), "--to", "accelerate-fsdp", "-o", str(written),
+                         "--trainer-args")
+    assert code == 0 and again == out and written.read_text().startswith("compute_environment")
+
+
+def test_trainer_args_without_sections_or_stated_values_is_an_empty_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "convert", "zero3", "--trainer-args")
+    assert code == 0 and out == "\n"  # a name leaves everything to Trainer's own arguments
+
+
+def test_trainer_code_builds_deepspeed_s_schedule(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    source = tmp_path / "ds.json"
+    source.write_text('{"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 1, '
+                      '"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, '
+                      '"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}')
+    code, out, _ = run(capsys, "convert", str(source), "--trainer-code")
+    assert code == 0
+    scope: dict[str, object] = {"model": torch.nn.Linear(2, 2)}
+    exec(out, scope)
+    optimizer, scheduler = scope["optimizer"], scope["scheduler"]
+    reference_opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=0.01)
+    reference = lr_schedules.WarmupLR(reference_opt, warmup_max_lr=0.01, warmup_num_steps=5)  # log warmup
+    ours, theirs = [], []
+    for _ in range(8):
+        ours.append(optimizer.param_groups[0]["lr"])
+        theirs.append(reference_opt.param_groups[0]["lr"])
+        optimizer.step(), scheduler.step(), reference_opt.step(), reference.step()
+    assert ours == pytest.approx(theirs, rel=1e-12) and len(set(theirs)) > 3
