@@ -4,11 +4,17 @@
     zerobridge run --nproc 2 --stage 3 examples/train_gpt.py            # two processes, ZeRO-3
     zerobridge run --nproc 4 --config ds_config.json examples/train_gpt.py
     zerobridge run --nproc 2 --strategy fsdp:SHARD_GRAD_OP examples/train_gpt.py
+    zerobridge run --nproc 2 --stage 3 --backend fsdp examples/train_gpt.py        # torch FSDP2
+    zerobridge run --nproc 2 --stage 3 --backend deepspeed examples/train_gpt.py   # DeepSpeed ZeRO
     torchrun --nproc-per-node 2 examples/train_gpt.py --stage 2         # plain torchrun works too
 
-The script names no strategy: ``zerobridge run`` passes it in
-ZEROBRIDGE_CONFIG, so switching between ZeRO stages and FSDP strategies
-changes no line here. Global batch 8 of 16 tokens, split across ranks.
+The script names no strategy and no backend: ``zerobridge run`` passes them
+in ZEROBRIDGE_CONFIG and ZEROBRIDGE_BACKEND, so switching between ZeRO
+stages, FSDP strategies and engines changes no line here. It uses only what
+every backend answers: the optimizer is built before ``prepare`` and passed
+to it (DeepSpeed takes it when it builds its engine), ``prepare`` returns
+the model and the optimizer to step, and the spec is read back with
+``zerobridge.spec_of``. Global batch 8 of 16 tokens, split across ranks.
 """
 
 from __future__ import annotations
@@ -38,19 +44,19 @@ def main() -> None:
 
     model = tiny_gpt(args.preset, seed=0)
     data = SyntheticTokens(model.config.vocab_size, args.seq_len, seed=0)
-    try:
-        model = zerobridge.prepare(model, stage=args.stage)  # stage=None: ZEROBRIDGE_CONFIG decides
+    # Param groups chosen by name, on the model as built; prepare keeps groups and hyperparameters.
+    no_decay = [p for n, p in model.named_parameters() if no_weight_decay(n)]
+    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=3e-3)
+    try:  # stage=None: ZEROBRIDGE_CONFIG decides; the backend: ZEROBRIDGE_BACKEND, else native
+        model, optimizer = zerobridge.prepare(model, optimizer, stage=args.stage)
     except ConfigError as exc:
         sys.exit(f"train_gpt.py: {exc}")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         sys.exit(f"train_gpt.py: --global-batch {args.global_batch} does not split over {world} ranks")
-    # Names survive sharding, so param groups can still be chosen by name.
-    no_decay = [p for n, p in model.named_parameters() if no_weight_decay(n)]
-    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=3e-3)
-    summary = model.zerobridge_engine.plan.spec.summary()
+    summary = zerobridge.spec_of(model).summary()
     if rank == 0:
         print(f"{world} rank(s): {summary}")
     with open(args.log_file, "w") if args.log_file and rank == 0 else contextlib.nullcontext() as log:

@@ -15,7 +15,8 @@ from zerobridge.cli import _parser, main
 from zerobridge.env import BACKEND as ENV_BACKEND
 from zerobridge.env import COMPILE as ENV_COMPILE
 from zerobridge.env import CONFIG as ENV_CONFIG
-from zerobridge.env import choice_from_env, decode_choice, encode_choice
+from zerobridge.env import PREPARED as ENV_PREPARED
+from zerobridge.env import choice_from_env, decode_choice, encode_choice, mark_prepared
 from zerobridge.errors import ConfigError
 from zerobridge.launch import launch_env, torchrun_command
 
@@ -225,6 +226,59 @@ def test_exit_code_is_the_launchers(script: Path, monkeypatch: pytest.MonkeyPatc
     assert seen["cmd"] == [*TORCHRUN, str(script), "x"]
     env = seen["env"]
     assert isinstance(env, dict) and env[ENV_CONFIG] == "strategy:zero3" and env[ENV_BACKEND] == "native"
+
+
+# --- a script that never calls prepare ---------------------------------------------------------
+
+class _Script:
+    """Stands in for torchrun: exits with ``code``, calling ``prepare`` (creating the marker) or not."""
+
+    def __init__(self, code: int, prepares: bool) -> None:
+        self.code, self.prepares = code, prepares
+        self.env: dict[str, str] = {}
+
+    def __call__(self, cmd: list[str], env: dict[str, str]) -> _Script:
+        self.env = env
+        return self
+
+    def wait(self) -> int:
+        if self.prepares:
+            mark_prepared(self.env)
+        return self.code
+
+
+@pytest.mark.parametrize("code, prepares, warned", [(0, False, True), (0, True, False), (3, False, False)])
+def test_a_script_that_never_prepares_is_warned_about_and_keeps_its_exit_code(
+        code: int, prepares: bool, warned: bool, script: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    fake = _Script(code, prepares)
+    monkeypatch.setattr(launch_module.subprocess, "Popen", fake)
+    assert main(["run", "--stage", "3", "--backend", "fsdp", str(script)]) == code
+    err = capsys.readouterr().err
+    assert ("exited without calling zerobridge.prepare on this node, so --stage 3 --backend fsdp had no effect"
+            in err) is warned
+    assert ("fix: prepare the model in the script" in err) is warned
+    marker = Path(fake.env[ENV_PREPARED])
+    assert not marker.parent.exists(), "the launcher's marker directory is removed"
+
+
+def test_no_warning_when_the_launcher_chose_nothing(script: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(launch_module.subprocess, "Popen", _Script(0, prepares=False))
+    assert main(["run", "--nproc", "1", str(script)]) == 0  # zerobridge run as plain torchrun: nothing went unused
+    assert "zerobridge.prepare" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prepares", [False, True])
+def test_real_launch_warns_only_when_prepare_was_never_called(tmp_path: Path, prepares: bool) -> None:
+    script = tmp_path / "train.py"
+    prepare = "zerobridge.prepare(torch.nn.Linear(2, 2))\ntorch.distributed.destroy_process_group()\n"
+    script.write_text("import torch, zerobridge\n" + (prepare if prepares else "") + "print('done')\n")
+    done = subprocess.run([sys.executable, "-m", "zerobridge.cli", "run", "--standalone", "--nproc", "1",
+                           "--backend", "fsdp", str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-3000:]
+    assert ("exited without calling zerobridge.prepare" in done.stderr) is not prepares, done.stderr[-3000:]
 
 
 # --- one real launch ----------------------------------------------------------------------------

@@ -9,6 +9,8 @@
     >>> optimizer.step(); optimizer.zero_grad()
     >>> sorted(zerobridge.full_state_dict(model))
     ['0.bias', '0.weight', '2.bias', '2.weight']
+    >>> zerobridge.spec_of(model).summary()
+    'stage 3, params reshard_after_forward, compute fp32'
 
 Launch on several ranks with ``zerobridge run --nproc 4 --stage 3 train.py``
 or plain ``torchrun``. With no strategy argument, ``ZEROBRIDGE_CONFIG`` in the
@@ -34,7 +36,7 @@ from zerobridge.backends.base import backend_of, check_fresh
 from zerobridge.backends.native.prepare import prepare as prepare_native
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.distributed import init_distributed
-from zerobridge.env import choice_from_env, resolve_allow_approximate, resolve_backend, resolve_compile
+from zerobridge.env import choice_from_env, mark_prepared, resolve_allow_approximate, resolve_backend, resolve_compile
 from zerobridge.errors import ConfigError
 from zerobridge.load import load_spec
 from zerobridge.pretrained.load import LoadReport, write_weights
@@ -44,7 +46,7 @@ from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "load_checkpoint", "load_pretrained", "prepare",
-           "reset_stats", "resolve_spec", "save_checkpoint", "save_full", "spec_for_stage", "stats"]
+           "reset_stats", "resolve_spec", "save_checkpoint", "save_full", "spec_for_stage", "spec_of", "stats"]
 
 InitFn = Callable[[nn.Module], object]
 Prepared = nn.Module | tuple[nn.Module, torch.optim.Optimizer]
@@ -157,7 +159,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     ``None``: ``$ZEROBRIDGE_COMPILE``, set by ``zerobridge run --compile``,
     else the spec). A model ``torch.compile`` returned may be passed too: the
     module inside is sharded and the compiled wrapper returned (docs/compile.md).
+
+    Under ``zerobridge run``, the first thing it does is tell the launcher it was called
+    (``env.mark_prepared``): a script that never calls it is warned about.
     """
+    mark_prepared()
     chosen = resolve_backend(backend)
     approximate = resolve_allow_approximate(allow_approximate)
     compiling = resolve_compile(compile)
@@ -240,6 +246,17 @@ def stats(model: nn.Module) -> dict[str, Any]:
         model: a prepared model.
     """
     return backend_of(model).stats()
+
+
+def spec_of(model: nn.Module) -> StrategySpec:
+    """The spec a prepared ``model`` runs, on any backend: what ``prepare`` resolved from its
+    arguments or ``$ZEROBRIDGE_CONFIG`` (``spec_of(model).summary()`` says it in one line). What the
+    backend runs differently from it is listed in ``stats(model)["approximations"]``.
+
+    Args:
+        model: a prepared model.
+    """
+    return backend_of(model).spec
 
 
 def reset_stats(model: nn.Module) -> None:

@@ -35,9 +35,9 @@ from typing import Literal
 from zerobridge.errors import ConfigError
 from zerobridge.spec.presets import STAGES
 
-__all__ = ["ALLOW_APPROXIMATE", "BACKEND", "BACKENDS", "COMPILE", "CONFIG", "TEST_DEVICE", "TIMEOUT", "ChoiceKind",
-           "choice_from_env", "decode_choice", "encode_choice", "env_flag", "resolve_allow_approximate",
-           "resolve_backend", "resolve_compile"]
+__all__ = ["ALLOW_APPROXIMATE", "BACKEND", "BACKENDS", "COMPILE", "CONFIG", "PREPARED", "TEST_DEVICE", "TIMEOUT",
+           "ChoiceKind", "choice_from_env", "decode_choice", "encode_choice", "env_flag", "mark_prepared",
+           "resolve_allow_approximate", "resolve_backend", "resolve_compile"]
 
 CONFIG = "ZEROBRIDGE_CONFIG"
 """The strategy the launcher chose (the grammar above)."""
@@ -49,6 +49,9 @@ COMPILE = "ZEROBRIDGE_COMPILE"
 """``1``/``0``: compile the model's units, or not, whatever the spec says (``zerobridge run --compile``)."""
 TIMEOUT = "ZEROBRIDGE_TIMEOUT"
 """Seconds a collective waits for its peers (default: the default group's own timeout)."""
+PREPARED = "ZEROBRIDGE_PREPARED"
+"""A file ``zerobridge run`` names for its workers and ``prepare`` creates (``mark_prepared``): when the
+script exits without it, the launcher warns that the strategy and backend it passed were never used."""
 TEST_DEVICE = "ZEROBRIDGE_TEST_DEVICE"
 """``cuda``: the test harness runs its process groups on GPUs with NCCL (``make test-gpu``)."""
 
@@ -141,6 +144,20 @@ def resolve_compile(given: bool | None, *, env: Mapping[str, str] | None = None)
     """Whether to compile: the argument, else ``$ZEROBRIDGE_COMPILE`` (``zerobridge run --compile``
     sets it to 1), else ``None`` (the spec's ``compile.enabled`` decides)."""
     return given if given is not None else env_flag(COMPILE, env)
+
+
+def mark_prepared(env: Mapping[str, str] | None = None) -> None:
+    """Create the file ``$ZEROBRIDGE_PREPARED`` names, when set: this process read the launcher's
+    choice (``zerobridge.prepare`` calls it first, and so should any other entry point that reads
+    ``ZEROBRIDGE_CONFIG`` / ``ZEROBRIDGE_BACKEND``). A file that cannot be written is passed over: the
+    marker only feeds the launcher's warning, never fails training."""
+    path = (os.environ if env is None else env).get(PREPARED, "")
+    if path:
+        try:
+            with open(path, "a", encoding="ascii"):
+                pass
+        except OSError:
+            pass
 
 
 def env_flag(name: str, env: Mapping[str, str] | None = None) -> bool | None:

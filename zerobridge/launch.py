@@ -26,6 +26,12 @@ through untouched. The strategy the user chose reaches every worker in
 The strategy and backend are checked before anything is started
 (``backends/preflight.py``): a config that does not load, or a spec the
 backend cannot run, is a ``ConfigError`` (exit 2).
+
+The workers also get ``ZEROBRIDGE_PREPARED``, a file in a directory of the
+launcher's that ``zerobridge.prepare`` creates when it is called. A script
+that exits 0 without any of this node's workers having called it used none
+of what the launcher passed: the launcher says so on stderr, naming the flags
+and the fix, and still exits with the script's code.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -231,11 +238,40 @@ def _warn_ignored(args: argparse.Namespace) -> None:
                   file=sys.stderr)
 
 
+def _chosen_flags(args: argparse.Namespace) -> list[str]:
+    """The zerobridge choices given on the command line, as typed (what only ``prepare`` reads)."""
+    flags = [f"{flag} {value}" for flag, value in (("--config", args.config), ("--stage", args.stage),
+                                                   ("--strategy", args.strategy), ("--backend", args.backend))
+             if value is not None]
+    return flags + [flag for flag, dest in (("--allow-approximate", "allow_approximate"), ("--compile", "compile"))
+                    if getattr(args, dest, False)]
+
+
+def _warn_unprepared(args: argparse.Namespace) -> None:
+    flags = _chosen_flags(args)
+    if flags:
+        print(f"zerobridge: warning: {args.script} exited without calling zerobridge.prepare on this node, so "
+              f"{' '.join(flags)} had no effect\n  fix: prepare the model in the script "
+              "(model, optimizer = zerobridge.prepare(model, optimizer)), which reads them from the environment; "
+              "or launch a script that does not use zerobridge with torchrun", file=sys.stderr)
+
+
 def launch(args: argparse.Namespace) -> int:
-    """Validate, start torchrun, wait; returns its exit code (128+N when killed by signal N)."""
+    """Validate, start torchrun, wait; returns its exit code (128+N when killed by signal N).
+    Warns when the script succeeded without ever calling ``zerobridge.prepare``."""
     validate(args)
     _warn_ignored(args)
-    proc = subprocess.Popen(torchrun_command(args), env=launch_env(args))
+    with tempfile.TemporaryDirectory(prefix="zerobridge-run-") as scratch:
+        marker = Path(scratch) / "prepared"
+        code = _run(args, {**launch_env(args), zenv.PREPARED: str(marker)})
+        if code == 0 and not marker.exists():
+            _warn_unprepared(args)
+    return code
+
+
+def _run(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """Start torchrun with ``env``, forward SIGTERM and SIGHUP, wait; its exit code."""
+    proc = subprocess.Popen(torchrun_command(args), env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         proc.send_signal(signum)

@@ -27,6 +27,7 @@ from zerobridge.distributed import init_distributed
 from zerobridge.errors import ConfigError
 from zerobridge.pretrained.targets import Target
 from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
+from zerobridge.spec import StrategySpec
 
 __all__ = ["Backend", "adopt_class", "backend_of", "check_fresh", "is_prepared", "keep_where_asked", "set_backend",
            "start_run"]
@@ -38,6 +39,12 @@ class Backend(ABC):
     """One prepared model on one engine: what the public API calls."""
 
     name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def spec(self) -> StrategySpec:
+        """The spec the model runs: what ``prepare`` resolved from its arguments or the environment
+        (what the backend runs differently is in ``stats()["approximations"]``)."""
 
     @abstractmethod
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:

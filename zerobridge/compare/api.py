@@ -103,6 +103,14 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
     if not runs:
         raise ConfigError("nothing to compare: every combination was skipped", key="--backends",
                           fix="; ".join(f"{s.backend}/{s.label}: {s.reason}" for s in skipped) or None)
+    rows = work.global_batch // nproc
+    for run in runs:
+        if rows % run.accumulation:
+            raise ConfigError(f"{run.label} accumulates {run.accumulation} micro-batches per step, but each of "
+                              f"{nproc} processes gets {rows} rows of the global batch of {work.global_batch}",
+                              key="--global-batch",
+                              fix=f"make the global batch a multiple of {nproc * run.accumulation} "
+                                  "(--nproc x the accumulation steps), or change the config's accumulation")
     comparison = Comparison(runs=[], skipped=skipped, tolerance=LOSS_FLOOR if tolerance is None else tolerance,
                             norm_tolerance=NORM_FLOOR if norm_tolerance is None else norm_tolerance,
                             model=model, params=params, world_size=nproc, steps=steps, compiled=compile,
@@ -165,8 +173,13 @@ def _calibrate(planned: Plan, comparison: Comparison, *, clip: float | None, tim
         first = next((r for r in comparison.runs if r.error is None and compute_dtype(r.planned.spec) == dtype), None)
         if first is None:
             continue
-        spec = StrategySpec(precision=first.planned.spec.precision, batch=first.planned.spec.batch)
-        rerun = Planned(f"calibration/{dtype}", "native", f"calibration-{dtype}", 0, spec, by_stage=False)
+        # The same micro-batches per step (each twice as many rows, on the one rank), whatever
+        # micro-batch size and global batch the config wrote for its own world size.
+        batch = first.planned.spec.batch.model_copy(update={
+            "accumulation_steps": first.planned.accumulation, "micro_batch_size": None, "global_batch_size": None})
+        spec = StrategySpec(precision=first.planned.spec.precision, batch=batch)
+        rerun = Planned(f"calibration/{dtype}", "native", f"calibration-{dtype}", 0, spec, by_stage=False,
+                        accumulation=first.planned.accumulation)
         (outcome,) = execute([rerun], model=planned.model, global_batch=planned.global_batch,
                              seq_len=planned.seq_len, world_size=1, steps=comparison.steps, seed=planned.seed,
                              clip=clip, timeout_s=timeout_s)

@@ -63,6 +63,9 @@ class Planned:
     formula_stage: int | None = None
     """The ZeRO stage whose formulas a closest form is measured against (FSDP2's form of
     ZeRO-1 and ZeRO-2: ZeRO-2's); None: the spec's own."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step at the run's world size (``batch.accumulation_for``): each
+    rank cuts its share of a step's batch into this many and steps once, at the boundary."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,10 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
     skipped: list[Skipped] = []
     for label, spec, by_stage in _labelled(stages, configs, compile):
         stage = spec.sharding.stage.value
+        try:
+            accumulation = spec.batch.accumulation_for(world_size)
+        except ConfigError as exc:  # the batch arithmetic fails the same way on every backend: bad input
+            raise ConfigError(exc.message, source=label, key=exc.key, fix=exc.fix) from None
         for backend in backends:
             try:
                 found = preflight(backend, spec, world_size=world_size, allow_approximate=allow_approximate)
@@ -154,7 +161,7 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
                 skipped.append(Skipped(backend, stage, label, reason))
                 continue
             runs.append(Planned(f"{backend}/{label}", backend, label, stage, spec, by_stage,
-                                tuple(e.key for e in found), formula_stage(backend, spec, found)))
+                                tuple(e.key for e in found), formula_stage(backend, spec, found), accumulation))
     return runs, skipped
 
 
@@ -222,7 +229,7 @@ def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, se
         kwargs: dict[str, Any] = {"log": str(log), "model": model, "global_batch": global_batch, "seq_len": seq_len,
                                   "choice": _choice(run),
                                   "backend": run.backend, "steps": steps, "seed": seed, "clip": clip,
-                                  "allow_approximate": allow_approximate}
+                                  "allow_approximate": allow_approximate, "accumulation": run.accumulation}
         try:
             with Cluster(world_size, timeout_s=timeout_s, backend=group, env=worker_env()) as cluster:
                 records = cluster.run("zerobridge.compare.worker:train", **kwargs)

@@ -8,14 +8,25 @@ and train with the loop every user writes (``loss.backward()``,
 ``optimizer.zero_grad()``), measuring each step. A rank returns a
 ``RankRecord``; the parent merges them (``zerobridge.compare.runner``).
 
-Timing: the ranks meet at a barrier, then the clock runs over forward,
-backward, clipping, the optimizer step and ``zero_grad`` (not over reading
-the statistics); a step's time is the slowest rank's. Model-state bytes are
-read from ``zerobridge.stats`` after clipping and again after the step, the
-larger of each kept; the collectives are counted from a ``reset_stats`` at
-the top of each step to the end of ``optimizer.step()``. Peak memory is the
-process's high-water resident set (``VmHWM``) over its life, and over the
-training steps alone (the mark is reset after ``prepare``).
+A step is one optimizer step. Under gradient accumulation (the spec's
+``batch.accumulation_for(world)`` micro-batches per step) a rank splits its
+share of the step's global batch into that many equal micro-batches along
+dim 0 and runs forward and backward on each; clipping, the step and
+``zero_grad`` come once, at the accumulation boundary, as the engines expect
+(each averages gradients over ranks and micro-batches, DeepSpeed's rule). So
+a step trains on the same rows whatever the accumulation, and a correct run
+with accumulation agrees with one without. The loss of a step is the mean of
+its micro-batches' losses over every rank.
+
+Timing: the ranks meet at a barrier, then the clock runs over every
+micro-batch's forward and backward, clipping, the optimizer step and
+``zero_grad`` (not over reading the statistics); a step's time is the
+slowest rank's. Model-state bytes are read from ``zerobridge.stats`` after
+the last backward and again after the step, the larger of each kept; the
+collectives are counted from a ``reset_stats`` at the top of each step to
+the end of ``optimizer.step()``. Peak memory is the process's high-water
+resident set (``VmHWM``) over its life, and over the training steps alone
+(the mark is reset after ``prepare``).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from zerobridge.compare.workload import resolve_model
 from zerobridge.distributed import run_device
 from zerobridge.models import shard
 
-__all__ = ["RankRecord", "peak_rss_bytes", "reset_peak_rss", "rss_bytes", "train"]
+__all__ = ["RankRecord", "micro_batches", "peak_rss_bytes", "reset_peak_rss", "rss_bytes", "train"]
 
 
 @dataclass
@@ -47,7 +58,7 @@ class RankRecord:
     """What one rank measured in one run."""
 
     losses: list[float] = field(default_factory=list)
-    """Per step: the mean loss over the global batch (the same on every rank)."""
+    """Per step: the mean loss over the global batch, every micro-batch of it (the same on every rank)."""
     grad_norms: list[float] = field(default_factory=list)
     """Per step: the global gradient norm before clipping."""
     step_times: list[float] = field(default_factory=list)
@@ -143,10 +154,20 @@ def train(*, log: str | None = None, **kwargs: Any) -> RankRecord:
             raise
 
 
+def micro_batches(rows: tuple[torch.Tensor, ...], accumulation: int) -> list[tuple[torch.Tensor, ...]]:
+    """A rank's rows of one step cut into ``accumulation`` equal micro-batches along dim 0, in order.
+
+        >>> [tuple(t.tolist() for t in m) for m in micro_batches((torch.arange(4),), 2)]
+        [([0, 1],), ([2, 3],)]
+    """
+    return [tuple(shard(t, index, accumulation) for t in rows) for index in range(accumulation)]
+
+
 def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice: dict[str, Any], backend: str,
-           steps: int, seed: int, clip: float | None, allow_approximate: bool) -> RankRecord:
-    """Train ``steps`` steps of ``model`` (a ``--model`` reference) on ``backend``; ``choice`` is
-    ``{"stage": N}`` or ``{"config": spec}``, passed on to ``zerobridge.prepare``."""
+           steps: int, seed: int, clip: float | None, allow_approximate: bool, accumulation: int = 1) -> RankRecord:
+    """Train ``steps`` optimizer steps of ``model`` (a ``--model`` reference) on ``backend``, each
+    over ``accumulation`` micro-batches; ``choice`` is ``{"stage": N}`` or ``{"config": spec}``,
+    passed on to ``zerobridge.prepare``."""
 
     rank, world = dist.get_rank(), dist.get_world_size()
     record = RankRecord(baseline_rss_bytes=rss_bytes())
@@ -166,8 +187,11 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
         api.reset_stats(net)
         dist.barrier()
         start = time.perf_counter()
-        loss = work.loss(net, rows)
-        loss.backward()
+        total = torch.zeros(1, dtype=torch.float32)
+        for micro in micro_batches(rows, accumulation):  # the last backward closes the accumulation window
+            loss = work.loss(net, micro)
+            loss.backward()
+            total += loss.detach().float().reshape(1).cpu()
         spent = time.perf_counter() - start
         # Every engine measured at one point: backward done, before clipping and the step ask
         # for the gradients (the native engine's deferred fp32 copy and DeepSpeed's fp32
@@ -186,12 +210,11 @@ def _train(*, model: str, global_batch: int | None, seq_len: int | None, choice:
         for key, name in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer")):
             held[name] = max(held.get(name, 0), int(before[key]), int(stats[key]))
         elapsed = torch.tensor([spent], dtype=torch.float64)
-        total = loss.detach().float().reshape(1).cpu()
         if device.type == "cuda":
             elapsed, total = elapsed.to(device), total.to(device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         dist.all_reduce(total)
-        record.losses.append(total.item() / world)
+        record.losses.append(total.item() / (world * accumulation))
         record.grad_norms.append(float(norm))
         record.step_times.append(elapsed.item())
         record.comm_bytes.append({k: int(v) for k, v in stats["comm_bytes"].items()})

@@ -14,6 +14,10 @@ on rank 1 of a native-engine run every gradient bucket from step
 ``BROKEN_STEP`` on is reduced as zeros: the collectives still match (nothing
 hangs) but one rank's share of the batch stops counting, a bug
 ``zerobridge compare`` must catch at that step, in bf16 too.
+``undivided_accumulation`` is the built-in tiny GPT, except that the native
+engine divides gradients by the world size alone, not by the accumulation
+steps too: under accumulation it sums the micro-batches' gradients where
+every engine averages them, a bug a config that accumulates must show.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from torch import Tensor, nn
 from zerobridge.backends.base import backend_of
 from zerobridge.compare.workload import Workload, tiny_gpt_workload
 from zerobridge.engine.flat_group import FlatGroup
+from zerobridge.engine.plan import EnginePlan
 from zerobridge.testing.parity import ParityNet, batch
 
-__all__ = ["BROKEN_STEP", "dropped_reduction", "dropped_reduction_20m", "faulty_workload", "parity_workload"]
+__all__ = ["BROKEN_STEP", "dropped_reduction", "dropped_reduction_20m", "faulty_workload", "parity_workload",
+           "undivided_accumulation"]
 
 _ROWS = 8
 
@@ -80,3 +86,11 @@ def _dropping(work: Workload) -> Workload:
         return work.batch(at)
     return Workload(model=work.model, batch=batch, global_batch=work.global_batch, loss=work.loss,
                     optimizer=work.optimizer)
+
+
+def undivided_accumulation(seed: int) -> Workload:
+    """The tiny GPT whose native engine sums gradients over micro-batches instead of averaging them
+    (in the ranks only: ``compare`` also builds the workload in its own process to plan)."""
+    if dist.is_initialized():
+        EnginePlan.gradient_divisor = property(lambda plan: float(plan.world_size))  # type: ignore[assignment,method-assign]
+    return tiny_gpt_workload(seed)

@@ -140,20 +140,36 @@ def _replace(report: Report, batch: dict[str, Any], name: str, value: Any, flag:
 
 
 def _precision(report: Report, precision: dict[str, Any], spec: StrategySpec, dtype: DType) -> None:
-    old = spec.precision.param_dtype
+    """``--precision``: the compute dtype, and what the source derived from its own (loss scaling,
+    reduce, accumulation and buffer dtypes, master weights) follows it."""
+    p, old = spec.precision, spec.precision.param_dtype
     if not is_auto(old) and old != dtype:
-        report.add("precision.param_dtype", Status.OVERRIDDEN,
-                   f"--precision {dtype.value} replaces the source's {DType(old).value}", target=_PARAM)
+        report.add(_PARAM, Status.OVERRIDDEN, f"--precision {dtype.value} replaces the source's {DType(old).value}",
+                   target=_PARAM)
     else:
-        report.add("precision.param_dtype", Status.EXACT, f"--precision {dtype.value}", target=_PARAM)
-    if is_auto(old) and dtype is not DType.FP16 and spec.precision.loss_scaling.kind != "none":
-        precision["loss_scaling"] = {"kind": "none"}
-    if dtype is DType.FP32:
-        precision["skip_nonfinite_steps"] = False
+        report.add(_PARAM, Status.EXACT, f"--precision {dtype.value}", target=_PARAM)
     precision["param_dtype"] = dtype
+    if dtype is not DType.FP16 and p.loss_scaling.kind != "none":
+        precision["loss_scaling"] = {"kind": "none"}
+        if not is_auto(old):
+            report.add("precision.loss_scaling", Status.OVERRIDDEN, f"dropped with --precision {dtype.value}: "
+                       "only fp16 scales the loss", target="precision.loss_scaling")
+    if dtype is DType.FP32:
+        precision["skip_nonfinite_steps"] = False  # skipping non-finite steps is a 16-bit rule
+        precision["master_dtype"] = DType.FP32
+    elif p.master_dtype not in (DType.FP32, dtype):
+        precision["master_dtype"] = DType.FP32
+    derived = (old,) if not is_auto(old) else ()
     for name in ("reduce_dtype", "accumulate_dtype"):
-        if is_auto(precision[name]) and is_auto(old):
-            precision[name] = dtype if dtype is not DType.FP16 or name == "reduce_dtype" else DType.FP32
+        value = getattr(p, name)
+        if is_auto(value) or value in derived:
+            precision[name] = DType.FP32 if dtype is DType.FP16 and name == "accumulate_dtype" else \
+                dtype if dtype is DType.FP16 else AUTO
+            if not is_auto(value) and value != dtype:
+                report.add(f"precision.{name}", Status.OVERRIDDEN, f"{DType(value).value} followed the source's "
+                           f"compute dtype; now {dtype.value}'s", target=f"precision.{name}")
+    if p.buffer_dtype is not None and p.buffer_dtype in derived:
+        precision["buffer_dtype"] = None if dtype is DType.FP32 else dtype
 
 
 def _world(report: Report, data: dict[str, Any], spec: StrategySpec, world_size: int) -> None:
@@ -181,13 +197,20 @@ def _world(report: Report, data: dict[str, Any], spec: StrategySpec, world_size:
 
 def trainer_run_flags(spec: StrategySpec) -> tuple[str, ...]:
     """The ``TrainingArguments`` flags for the run-level values ``spec`` states (none for
-    ``"auto"``): what Trainer's check of a DeepSpeed config compares them with."""
-    b, dtype = spec.batch, spec.precision.param_dtype
+    ``"auto"``): what Trainer's check of a DeepSpeed config compares them with. A global batch
+    with a known world size gives the micro batch or accumulation it implies."""
+    b, dtype, world = spec.batch, spec.precision.param_dtype, spec.sharding.world_size
+    micro, steps, total = b.micro_batch_size, b.accumulation_steps, b.global_batch_size
+    if isinstance(total, int) and world is not None:  # the global batch implies the missing factor
+        if isinstance(micro, int) and not isinstance(steps, int):
+            steps = total // (micro * world)
+        elif isinstance(steps, int) and not isinstance(micro, int):
+            micro = total // (steps * world)
     flags: list[str] = []
-    if isinstance(b.micro_batch_size, int):
-        flags += ["--per_device_train_batch_size", str(b.micro_batch_size)]
-    if isinstance(b.accumulation_steps, int):
-        flags += ["--gradient_accumulation_steps", str(b.accumulation_steps)]
+    if isinstance(micro, int):
+        flags += ["--per_device_train_batch_size", str(micro)]
+    if isinstance(steps, int):
+        flags += ["--gradient_accumulation_steps", str(steps)]
     if b.clip_grad_norm is None:
         flags += ["--max_grad_norm", "0"]  # Trainer clips only above 0
     elif not is_auto(b.clip_grad_norm):

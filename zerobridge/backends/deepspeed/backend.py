@@ -26,6 +26,7 @@ from zerobridge.backends.deepspeed.internals import DeepSpeedInternals, held_byt
 from zerobridge.backends.deepspeed.step import DeepSpeedOptimizer, DeepSpeedStepper
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.spec import StrategySpec
 
 __all__ = ["DeepSpeedBackend"]
 
@@ -54,6 +55,10 @@ class DeepSpeedBackend(Backend):
         zero = plan.config["zero_optimization"]
         self.offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
         self.offload_params = zero.get("offload_param", {}).get("device", "none") != "none"
+
+    @property
+    def spec(self) -> StrategySpec:
+        return self.plan.spec
 
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         return self.stepper.clip_grad_norm(max_norm, norm_type)

@@ -52,6 +52,8 @@ _AUTO_SIZES = {"reduce_bucket_size": (1.0, 2), "allgather_bucket_size": (1.0, 2)
 class DeepSpeedPlan:
     """A spec as DeepSpeed will run it."""
 
+    spec: StrategySpec
+    """The spec ``prepare`` resolved, as the user gave it."""
     config: dict[str, Any]
     """The JSON handed to ``deepspeed.initialize``."""
     report: Report
@@ -139,7 +141,7 @@ def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool
     if "offload_optimizer" in config["zero_optimization"]:
         config["zero_force_ds_cpu_optimizer"] = False  # run the user's optimizer on the offloaded state
     clip = config["gradient_clipping"]
-    return DeepSpeedPlan(config=config, report=translation.report, accumulation_steps=steps,
+    return DeepSpeedPlan(spec=spec, config=config, report=translation.report, accumulation_steps=steps,
                          clip=float(clip) if clip else None, approximations=approximations)
 
 

@@ -31,6 +31,7 @@ from zerobridge.pretrained.targets import Target
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.plan import RunPlan
 from zerobridge.runtime.tensors import StorageCounter
+from zerobridge.spec import StrategySpec
 from zerobridge.translate.report import Entry, Report
 
 __all__ = ["FsdpBackend", "ZeroFsdpModule"]
@@ -56,6 +57,10 @@ class FsdpBackend(Backend):
         for entry in [*approximations, *assessment.tuning, *assessment.equivalent]:
             self.report.add(entry.key, entry.status, entry.note, target=entry.target)
         self.offloaded = assessment.form["offload_policy"] is not None
+
+    @property
+    def spec(self) -> StrategySpec:
+        return self.plan.spec
 
     @property
     def shard_size(self) -> int:

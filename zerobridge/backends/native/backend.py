@@ -21,6 +21,7 @@ from zerobridge.engine import Engine
 from zerobridge.engine.local_runs import refresh_compute
 from zerobridge.engine.state import full_state_dict
 from zerobridge.pretrained.targets import Target
+from zerobridge.spec import StrategySpec
 
 __all__ = ["NativeBackend"]
 
@@ -33,6 +34,10 @@ class NativeBackend(Backend):
     def __init__(self, model: nn.Module, engine: Engine) -> None:
         self.model = model
         self.engine = engine
+
+    @property
+    def spec(self) -> StrategySpec:
+        return self.engine.plan.spec
 
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         return self.engine.clip_grad_norm(max_norm, norm_type)
