@@ -24,6 +24,7 @@ model's backend (``backend_of``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, overload
@@ -44,6 +45,7 @@ from zerobridge.runtime.compile import check_compile, is_compiled_wrapper, unwra
 from zerobridge.runtime.deferred_init import Replay, is_meta_model, materialize_device
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
+from zerobridge.translate.carried import SECTIONS
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "load_checkpoint", "load_pretrained", "prepare",
            "reset_stats", "resolve_spec", "save_checkpoint", "save_full", "spec_for_stage", "spec_of", "stats"]
@@ -91,6 +93,20 @@ def resolve_spec(model: nn.Module, *, stage: int | None, strategy: str | None,
     if kind == "stage":
         return spec_for_stage(int(choice), model)
     return load_spec(str(choice)).value
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_sections(spec: StrategySpec) -> None:
+    """Once per process and kind: prepare() steps the user's optimizer and scheduler, not the config's sections."""
+    found = tuple(s for s in SECTIONS if s in spec.passthrough.get("deepspeed", {}) and s not in _WARNED)
+    if found:
+        _WARNED.update(found)
+        warnings.warn(f"the config's {' and '.join(found)} section{'s are' if len(found) > 1 else ' is'} not "
+                      "applied by zerobridge.prepare, which steps your own optimizer (and scheduler) on every backend; "
+                      "to build them from the config as DeepSpeed does, use `import zerobridge.deepspeed as "
+                      "deepspeed` and `deepspeed.initialize(...)`", stacklevel=3)
 
 
 def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -177,6 +193,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     target = materialize_device(device) if replay is not None else None
     spec = _with_compile(resolve_spec(model, stage=stage, strategy=strategy, config=config), compiling,
                          wrapped=wrapper is not model)
+    _warn_sections(spec)
     prepared = _backend_prepare(chosen)(model, optimizer, spec, allow_approximate=approximate, replay=replay,
                                         device=target)
     return _rewrap(prepared, wrapper)

@@ -31,6 +31,7 @@ from typing import Any
 
 from zerobridge.errors import ConfigError
 from zerobridge.spec import CompileScope, DType, StrategySpec, is_auto
+from zerobridge.translate.carried import SECTIONS
 from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.report import Entry, Report, Status
 
@@ -128,6 +129,8 @@ def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool
     spec.sharding.check_world(world_size)
     translation = write_deepspeed(spec)
     config: dict[str, Any] = translation.value
+    for section in SECTIONS:  # the script's to build (zerobridge.deepspeed.initialize does): never behind its back
+        config.pop(section, None)
     # sharding.world_size: checked above (DeepSpeed takes the world from the launcher, which matches).
     # compile: the JSON cannot say it; the backend calls engine.compile itself (``compile_entries``).
     approximations = [e for e in translation.report.approximations
