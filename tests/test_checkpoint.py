@@ -97,6 +97,41 @@ def test_portable_round_trip(portable: tuple[Path, PortableState]) -> None:
     assert read_portable(path, optimizer=False).optimizer == {}
 
 
+class _Sampler:
+    """A plain object: ``torch.load(weights_only=True)`` refuses any class it does not know."""
+
+
+def test_scheduler_and_client_state_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Any container ``weights_only`` reads back (tuple keys, ``None``, tensors); other objects refused before a
+    byte is written; ``checkpoint info`` shows both."""
+    state = portable_state()
+    state.scheduler = {"last_epoch": 3, "base_lrs": [0.1, 0.2], "lr_lambdas": [None, None]}
+    state.client_state = {"epoch": 2, "seen": torch.arange(3), "pairs": {(1, 2): ("x", None)}}
+    back = read_portable(write_portable(tmp_path / "ckpt", state))
+    assert back.scheduler == state.scheduler and back.metadata == state.metadata
+    assert back.client_state is not None and torch.equal(back.client_state.pop("seen"), torch.arange(3))
+    assert back.client_state == {"epoch": 2, "pairs": {(1, 2): ("x", None)}}
+    code, out, _ = run_cli(capsys, "checkpoint", "info", str(tmp_path / "ckpt"))
+    assert code == 0 and "scheduler    last_epoch 3, lr None" in out and "client_state keys epoch, pairs, seen" in out
+
+    state.client_state = {"sampler": _Sampler()}
+    with pytest.raises(CheckpointError, match=r"zerobridge.client_state: cannot be read back by torch.load\("
+                                              r"weights_only=True\).*it holds a test_checkpoint._Sampler") as caught:
+        write_portable(tmp_path / "refused", state)
+    assert "fix: keep client_state to numbers" in str(caught.value)
+    assert not list(tmp_path.glob("*refused*"))
+
+
+def test_a_save_directory_whose_latest_names_a_checkpoint(portable: tuple[Path, PortableState]) -> None:
+    """``zerobridge.deepspeed``'s engine saves ``DIR/<tag>`` and names the tag in ``DIR/latest``."""
+    from zerobridge.checkpoint.reader import open_checkpoint
+
+    path, _ = portable
+    (path.parent / "latest").write_text(path.name)
+    with pytest.raises(CheckpointError, match=f"names the checkpoint '{path.name}'[\\s\\S]*fix: load {path}"):
+        open_checkpoint(path.parent)
+
+
 def test_a_second_save_replaces_the_first_and_leaves_nothing_behind(portable: tuple[Path, PortableState],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     path, state = portable

@@ -8,12 +8,18 @@ DeepSpeed's live per-parameter API at save time, the single-process
 ``run_reference`` and a single-process torch AdamW run (parameters and
 optimizer state). The error cases work on copies of those checkpoints.
 Finally ``zerobridge checkpoint import-deepspeed`` converts them and the
-native engine, at another stage, continues where DeepSpeed went on.
+native engine, at another stage, continues where DeepSpeed went on; a run
+with a JSON ``WarmupLR`` and a ``client_state`` continues with the same lrs,
+its torch-equivalent scheduler restored from DeepSpeed's state.
+
+The worker functions near the end run on the ranks of a ``Cluster``
+(spawned processes import this module by name).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,8 +33,10 @@ import torch
 from conftest import REPO
 
 from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint
+from zerobridge.checkpoint.run_state import restore_scheduler
+from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.errors import ConfigError
-from zerobridge.harness.cluster import Cluster
+from zerobridge.harness.cluster import Cluster, RankError
 from zerobridge.testing.deepspeed_run import AdamWReference, DeepSpeedRun, reference_adamw
 from zerobridge.testing.parity import ParityNet, run_reference
 from zerobridge.translate.report import Status
@@ -57,6 +65,12 @@ CASES: dict[str, dict[str, Any]] = {
 }
 FP32 = ["zero1", "zero2", "zero3", "zero2_layout", "zero3_subgroups"]
 UNUSED = ("unused.weight", "unused.bias")
+ME = "test_deepspeed_import"
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 6,
+                                         "warmup_type": "linear"}}
+"""A JSON scheduler still warming up when the checkpoint is written, so every later lr differs."""
+SCHEDULED: dict[str, Any] = {"stage": 2, "extra": {"scheduler": WARMUP},
+                             "client_state": {"epoch": 3, "seen": [1, 2, 3], "best": {"loss": 2.5}}}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +82,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[P
             results = cluster.run("zerobridge.testing.deepspeed_run:train_deepspeed", steps=STEPS,
                                   save_dir=str(root / name), save_after=SAVED_AT, **kwargs)
             made[name] = (root / name, results[0])  # type: ignore[assignment]
+        results = cluster.run("zerobridge.testing.deepspeed_run:train_deepspeed", steps=STEPS,
+                              save_dir=str(root / "scheduled"), save_after=SAVED_AT, **SCHEDULED)
+        made["scheduled"] = (root / "scheduled", results[0])  # type: ignore[assignment]
         cluster.run("zerobridge.testing.deepspeed_run:train_deepspeed", stage=0, steps=1,
                     save_dir=str(root / "zero0"), collect=False)
     yield made | {"zero0": (root / "zero0", DeepSpeedRun())}
@@ -174,8 +191,11 @@ def test_param_groups_metadata_and_report(runs: dict[str, tuple[Path, DeepSpeedR
         assert {k: v for k, v in got.items() if k != "params"} == ({} if elastic else hyper)
     approximated = [e.key for e in report.with_status(Status.APPROXIMATED)]
     assert approximated == (["base_optimizer_state.param_groups"] if elastic else [])
-    dropped = [e.key for e in report.with_status(Status.NOT_EXPRESSIBLE)]
-    assert dropped == (["client_state.epoch"] if name == "zero1" else [])
+    assert [e.key for e in report.with_status(Status.NOT_EXPRESSIBLE)] == []
+    assert state.client_state == ({"epoch": 3} if name == "zero1" else {})  # the keys client_state added
+    assert [e.key for e in report.with_status(Status.EXACT)] == ["tag", "param_shapes"] + (
+        ["client_state"] if name == "zero1" else [])
+    assert state.scheduler is None  # DeepSpeed saves lr_scheduler None without a scheduler
     bf16 = CASES[name].get("dtype") == "bf16"
     meta = state.metadata
     assert (meta["source"], meta["zero_stage"], meta["world_size"], meta["global_step"]) == (
@@ -280,7 +300,8 @@ def test_dynamic_loss_scaler_and_scheduler_are_reported(runs: dict[str, tuple[Pa
     state, report = import_deepspeed_checkpoint(tag_dir)
     assert state.metadata["loss_scale"] == 2.0**12 and state.metadata["dynamic_loss_scale"] is True
     assert report.find("loss_scaler").status is Status.APPROXIMATED  # type: ignore[union-attr]
-    assert report.find("lr_scheduler").status is Status.NOT_EXPRESSIBLE  # type: ignore[union-attr]
+    assert report.find("lr_scheduler").status is Status.EXACT  # type: ignore[union-attr]
+    assert state.scheduler == {"last_epoch": SAVED_AT, "_last_lr": [LR]}  # a torch scheduler's state, kept
 
 
 def test_reads_without_importing_deepspeed(runs: dict[str, tuple[Path, DeepSpeedRun]]) -> None:
@@ -324,3 +345,120 @@ def test_imported_checkpoint_continues_training_identically(runs: dict[str, tupl
     for fqn, value in run.final_params.items():
         if fqn not in UNUSED:  # DeepSpeed decays the never-used weight; the engine leaves it (grad None)
             torch.testing.assert_close(full[fqn], value, rtol=0, atol=1e-5, msg=fqn)
+
+
+# ---------------------------------------------------------------------------- the schedule and client state
+
+def resume_scheduled(*, path: str, stage: int) -> dict[str, Any]:
+    """On every rank: the native engine and the torch equivalent of the JSON's WarmupLR, loaded from an
+    imported checkpoint and trained on; the lr each step ran with."""
+    import zerobridge
+    from zerobridge.runtime.lr_schedules import build_scheduler
+    from zerobridge.testing.resume import clip_native, native, train_steps
+
+    model, optimizer = native(7, stage)
+    scheduler = build_scheduler(WARMUP, optimizer)
+    loaded = zerobridge.load_checkpoint(path, model, optimizer, scheduler=scheduler)
+    position = scheduler.state_dict()["last_batch_iteration"]
+    losses, lrs = [], []
+    for step in range(SAVED_AT, STEPS):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        losses += train_steps(model, optimizer, range(step, step + 1), clip_native)
+        scheduler.step()
+    return {"loaded": loaded, "position": position, "losses": losses, "lrs": lrs}
+
+
+def load_natively(*, path: str) -> None:
+    """On every rank: ``load_checkpoint`` straight on a DeepSpeed directory."""
+    import zerobridge
+    from zerobridge.testing.resume import native
+
+    model, optimizer = native(7, 1)
+    zerobridge.load_checkpoint(path, model, optimizer)
+
+
+def test_the_scheduler_and_client_state_are_imported(runs: dict[str, tuple[Path, DeepSpeedRun]]) -> None:
+    state, report = import_deepspeed_checkpoint(runs["scheduled"][0])
+    assert state.scheduler == {"last_batch_iteration": SAVED_AT - 1}  # DeepSpeed's schedules count from -1
+    assert state.client_state == SCHEDULED["client_state"]
+    assert state.metadata["deepspeed"] == {"global_steps": SAVED_AT, "global_samples": 8 * SAVED_AT,
+                                           "skipped_steps": 0}
+    kept = report.find("lr_scheduler")
+    assert kept is not None and kept.status is Status.EXACT and "last_batch_iteration 3" in kept.note
+    assert report.with_status(Status.NOT_EXPRESSIBLE) == []
+
+
+def test_an_imported_schedule_continues_with_deepspeeds_lrs(runs: dict[str, tuple[Path, DeepSpeedRun]],
+                                                             native_cluster: Cluster, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSpeed trained on with its WarmupLR after saving; the import, resumed natively at stage 3 with the
+    torch equivalent, takes the same steps with the same lrs and gets the client state back."""
+    from zerobridge.cli import main
+
+    directory, run = runs["scheduled"]
+    assert main(["checkpoint", "import-deepspeed", str(directory), str(tmp_path / "imported")]) == 0  # SRC DST
+    assert "LR scheduler state, client_state ['best', 'epoch', 'seen']" in capsys.readouterr().out
+    results = native_cluster.run(f"{ME}:resume_scheduled", path=str(tmp_path / "imported"), stage=3)
+    want = run.losses[SAVED_AT:]
+    for result in results:
+        assert isinstance(result, dict)
+        assert result["loaded"]["client_state"] == SCHEDULED["client_state"]
+        assert result["loaded"]["deepspeed"]["global_steps"] == SAVED_AT
+        assert result["position"] == SAVED_AT - 1
+        # DeepSpeed's linear warmup: step k runs with the lr of iteration k - 1, i.e. LR * (k - 1) / 6
+        assert result["lrs"] == pytest.approx([LR * (k - 1) / 6 for k in range(SAVED_AT, STEPS)], rel=1e-12)
+        for step, (a, b) in enumerate(zip(result["losses"], want, strict=True), start=SAVED_AT):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: native {a} vs DeepSpeed {b}"
+
+
+def test_deepspeeds_own_schedule_takes_a_torch_state() -> None:
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    schedule = WarmupLR(optimizer, warmup_max_lr=0.1, warmup_num_steps=6, warmup_type="linear")
+    restore_scheduler(schedule, {"last_epoch": SAVED_AT, "_step_count": SAVED_AT + 1, "base_lrs": [0.1]})
+    assert schedule.last_batch_iteration == SAVED_AT - 1  # the same number of steps taken
+    restore_scheduler(schedule, {"last_batch_iteration": 6})
+    assert schedule.last_batch_iteration == 6
+
+
+def test_import_takes_one_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zerobridge.cli import main
+
+    assert main(["checkpoint", "import-deepspeed", str(tmp_path)]) == 2
+    assert f"fix: zerobridge checkpoint import-deepspeed {tmp_path} OUTPUT" in capsys.readouterr().err
+    assert main(["checkpoint", "import-deepspeed", str(tmp_path), "a", "-o", "b"]) == 2
+    assert "got two outputs, a and -o b" in capsys.readouterr().err
+
+
+def _command(error: str) -> list[str]:
+    found = [line for line in error.splitlines() if "`zerobridge checkpoint import-deepspeed " in line]
+    assert found, error
+    return shlex.split(found[0].split("`")[1])
+
+
+def test_loading_a_deepspeed_directory_names_the_import_command(runs: dict[str, tuple[Path, DeepSpeedRun]],
+                                                                native_cluster: Cluster, tmp_path: Path) -> None:
+    from zerobridge.checkpoint.reader import open_checkpoint
+    from zerobridge.cli import main
+
+    directory = copy_of(runs, "scheduled", tmp_path)
+    with pytest.raises(RankError) as caught:
+        native_cluster.run(f"{ME}:load_natively", path=str(directory))
+    text = caught.value.tracebacks[0]
+    assert f"CheckpointError: {directory}: is a DeepSpeed checkpoint" in text
+    command = _command(text)
+    assert command == ["zerobridge", "checkpoint", "import-deepspeed", str(directory), f"{directory}-zerobridge"]
+    assert main(command[1:]) == 0  # the command works as given
+    results = native_cluster.run("zerobridge.testing.resume:resume_native", path=f"{directory}-zerobridge",
+                                 start=SAVED_AT, stop=SAVED_AT + 1, stage=1)
+    assert results[0]["metadata"]["client_state"] == SCHEDULED["client_state"]  # type: ignore[index]
+
+    with pytest.raises(CheckpointError) as tag_dir:  # one tag directory
+        open_checkpoint(directory / "global_step4")
+    assert _command(str(tag_dir.value))[3:] == [str(directory / "global_step4"),
+                                                f"{directory / 'global_step4'}-zerobridge"]
+    (directory / "latest").unlink()
+    with pytest.raises(CheckpointError) as no_latest:  # tags but no latest: the newest tag
+        open_checkpoint(directory)
+    assert _command(str(no_latest.value))[3:] == [str(directory), f"{directory}-zerobridge", "--tag", "global_step4"]

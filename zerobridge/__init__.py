@@ -5,7 +5,7 @@
     True
 
 The training API (``prepare``, ``clip_grad_norm_``, ``full_state_dict``,
-``stats``, ``reset_stats``, ``spec_of``) and checkpoints (``save_checkpoint``,
+``stats``, ``reset_stats``, ``spec_of``, ``is_accumulation_boundary``) and checkpoints (``save_checkpoint``,
 ``load_checkpoint``, ``save_full``, ``load_pretrained``) live in
 ``zerobridge.api`` and load torch on first use here, so config conversion
 stays fast.
@@ -46,8 +46,8 @@ from typing import Any
 
 from zerobridge._version import __version__ as __version__
 
-__all__ = ["clip_grad_norm_", "full_state_dict", "load_checkpoint", "load_pretrained", "prepare", "reset_stats",
-           "save_checkpoint", "save_full", "spec_of", "stats"]
+__all__ = ["clip_grad_norm_", "full_state_dict", "is_accumulation_boundary", "load_checkpoint", "load_pretrained",
+           "prepare", "reset_stats", "save_checkpoint", "save_full", "spec_of", "stats"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("zerobridge._version", "zerobridge.errors", "zerobridge.resources"),

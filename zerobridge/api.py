@@ -35,6 +35,7 @@ from torch import nn
 
 from zerobridge.backends.base import backend_of, check_fresh
 from zerobridge.backends.native.prepare import prepare as prepare_native
+from zerobridge.checkpoint.run_state import Stateful, resumed, run_state
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.distributed import init_distributed
 from zerobridge.env import choice_from_env, mark_prepared, resolve_allow_approximate, resolve_backend, resolve_compile
@@ -47,8 +48,9 @@ from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 from zerobridge.translate.carried import SECTIONS
 
-__all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "load_checkpoint", "load_pretrained", "prepare",
-           "reset_stats", "resolve_spec", "save_checkpoint", "save_full", "spec_for_stage", "spec_of", "stats"]
+__all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "is_accumulation_boundary", "load_checkpoint",
+           "load_pretrained", "prepare", "reset_stats", "resolve_spec", "save_checkpoint", "save_full",
+           "spec_for_stage", "spec_of", "stats"]
 
 InitFn = Callable[[nn.Module], object]
 Prepared = nn.Module | tuple[nn.Module, torch.optim.Optimizer]
@@ -276,6 +278,24 @@ def spec_of(model: nn.Module) -> StrategySpec:
     return backend_of(model).spec
 
 
+def is_accumulation_boundary(model: nn.Module) -> bool:
+    """Whether the last ``loss.backward()`` closed the accumulation window of a prepared ``model``, on any
+    backend: the gradients are whole and ``optimizer.step()`` steps on them (between boundaries it is a no-op),
+    so step a learning-rate scheduler only then. Before the first backward of a window: whether the next one
+    will close it.
+
+        loss.backward()
+        if zerobridge.is_accumulation_boundary(model):
+            optimizer.step()
+            scheduler.step()        # once per optimizer step, not per micro-batch
+            optimizer.zero_grad()
+
+    Args:
+        model: a prepared model.
+    """
+    return backend_of(model).window.at_boundary
+
+
 def reset_stats(model: nn.Module) -> None:
     """Start counting communication from zero.
 
@@ -289,49 +309,67 @@ def reset_stats(model: nn.Module) -> None:
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    scheduler: Stateful | None = None, client_state: dict[str, Any] | None = None,
                     metadata: dict[str, Any] | None = None) -> Path:
-    """Write a sharded checkpoint of a prepared ``model`` (and ``optimizer``) at ``path``. Collective.
+    """Write a sharded checkpoint of a prepared ``model`` (and ``optimizer``, ``scheduler``) at ``path``. Collective.
 
     Each rank writes its own runs (first replica only) in
     ``torch.distributed.checkpoint`` format with FSDP2's keys; master values
     (fp32 under mixed precision), optimizer state and param groups, the loss
-    scaler, skipped steps and every rank's RNG states. ``metadata``
-    (JSON-able, e.g. ``{"step": 100}``) comes back from ``load_checkpoint``.
-    Call it after ``optimizer.step()``: gradients are not saved. The previous
-    checkpoint at ``path`` stays until the new one is complete.
+    scaler, skipped steps and every rank's RNG states. Rank 0 adds the
+    scheduler's ``state_dict()``, ``client_state`` and ``metadata``, all
+    inside the same atomic save. Call it after ``optimizer.step()`` and
+    ``scheduler.step()``: gradients are not saved. The previous checkpoint at
+    ``path`` stays until the new one is complete.
 
     Args:
         path: the checkpoint directory (created; replaced atomically when it exists).
         model: a prepared model.
         optimizer: the optimizer stepping it (``None``: the model only).
+        scheduler: its LR scheduler (any torch ``LRScheduler``, or an object with
+            ``state_dict()`` / ``load_state_dict()``), restored by ``load_checkpoint(scheduler=...)``.
+        client_state: a dict of plain values (numbers, strings, lists, tuples, dicts, tensors:
+            what ``torch.load(weights_only=True)`` reads back), as DeepSpeed's
+            ``save_checkpoint(client_state=...)``; ``load_checkpoint`` returns it under ``"client_state"``.
+            Rank 0's is saved.
         metadata: JSON-able values returned by ``load_checkpoint``.
     """
-    return backend_of(model).save_checkpoint(Path(path), optimizer, metadata)
+    run = run_state(metadata, scheduler, client_state)
+    return backend_of(model).save_checkpoint(Path(path), optimizer, run)
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    strict: bool = True, rng: bool = True) -> dict[str, Any]:
-    """Load a checkpoint into a prepared ``model`` (and ``optimizer``), resharding
+                    scheduler: Stateful | None = None, strict: bool = True, rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint into a prepared ``model`` (and ``optimizer``, ``scheduler``), resharding
     to this run's stage, world size and layout. Collective. Returns the
-    ``metadata`` passed to ``save_checkpoint`` (``{}`` if none).
+    ``metadata`` passed to ``save_checkpoint`` (``{}`` if none), plus
+    ``"client_state"``: the saved ``client_state``, when one was saved.
 
     Files are checked against the manifest first (each rank a share);
     ``strict``: every parameter and buffer must be in the checkpoint and it
-    may hold no others, and with an ``optimizer`` the checkpoint must hold
-    optimizer state. Param groups are matched by position (same parameter
-    names in each), state by parameter name. ``rng``: restore RNG states,
-    rank ``r`` taking saved rank ``r mod saved world size``. Checkpoints
-    written by ``torch.distributed.checkpoint`` (FSDP2) load too, unverified
-    (they have no manifest).
+    may hold no others, with an ``optimizer`` the checkpoint must hold
+    optimizer state, and with a ``scheduler`` scheduler state (else it is
+    skipped). Param groups are matched by position (same parameter names in
+    each), state by parameter name; the scheduler is restored after them, so
+    its next ``step()`` continues the saved schedule (a DeepSpeed schedule's
+    ``{"last_batch_iteration": n}`` loads into a torch ``LRScheduler`` and
+    the other way round). ``rng``: restore RNG states, rank ``r`` taking
+    saved rank ``r mod saved world size``. Checkpoints written by
+    ``torch.distributed.checkpoint`` (FSDP2) load too, unverified (they have
+    no manifest); a DeepSpeed checkpoint directory is refused with the
+    ``zerobridge checkpoint import-deepspeed`` command that converts it.
 
     Args:
         path: a checkpoint directory written at any stage, world size, layout or backend.
         model: a prepared model.
         optimizer: the optimizer to restore (``None``: the model only).
-        strict: every name must match both ways, and optimizer state must be there.
+        scheduler: the LR scheduler to restore (``None``: left as it is).
+        strict: every name must match both ways, and optimizer and scheduler state must be there.
         rng: restore the random generators.
     """
-    return backend_of(model).load_checkpoint(Path(path), optimizer, strict=strict, rng=rng)
+    run = backend_of(model).load_checkpoint(Path(path), optimizer, strict=strict, rng=rng,
+                                            with_scheduler=scheduler is not None)
+    return resumed(run, scheduler)
 
 
 def save_full(path: str | Path, model: nn.Module, *, dtype: torch.dtype | None = None) -> Path:

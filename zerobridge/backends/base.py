@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.distributed import init_distributed
 from zerobridge.errors import ConfigError
 from zerobridge.pretrained.targets import Target
 from zerobridge.runtime.deferred_init import Replay, replay_on_every_rank
+from zerobridge.runtime.window import AccumulationWindow
 from zerobridge.spec import StrategySpec
 
 __all__ = ["Backend", "adopt_class", "backend_of", "check_fresh", "is_prepared", "keep_where_asked", "set_backend",
@@ -45,6 +47,11 @@ class Backend(ABC):
     def spec(self) -> StrategySpec:
         """The spec the model runs: what ``prepare`` resolved from its arguments or the environment
         (what the backend runs differently is in ``stats()["approximations"]``)."""
+
+    @property
+    @abstractmethod
+    def window(self) -> AccumulationWindow:
+        """The accumulation window the model's backward passes follow (``runtime/window.py``)."""
 
     @abstractmethod
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
@@ -65,14 +72,16 @@ class Backend(ABC):
         """Start counting communication from zero."""
 
     @abstractmethod
-    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
-                        metadata: dict[str, Any] | None) -> Path:
-        """Write a sharded checkpoint (the format of ``docs/checkpoints.md``). Collective."""
+    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, run: RunState) -> Path:
+        """Write a sharded checkpoint (the format of ``docs/checkpoints.md``), with ``run``'s metadata,
+        scheduler state and client state written once, by rank 0 (``checkpoint.metadata.run_blobs``). Collective."""
 
     @abstractmethod
-    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
-                        rng: bool) -> dict[str, Any]:
-        """Load a checkpoint of any layout; return its user metadata. Collective."""
+    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
+                        with_scheduler: bool) -> RunState:
+        """Load a checkpoint of any layout; return its run state (``checkpoint.metadata.read_run_state``, read
+        before anything is loaded: ``with_scheduler`` and ``strict`` refuse one without scheduler state).
+        Collective."""
 
     def pretrained_targets(self) -> list[Target]:
         """The runs of every parameter and buffer this rank holds, for ``load_pretrained``."""

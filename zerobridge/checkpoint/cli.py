@@ -3,7 +3,8 @@
     zerobridge checkpoint info ckpt/step-100                    # layout, tensors, optimizer, metadata; files verified
     zerobridge checkpoint info ckpt/step-100 --json
     zerobridge checkpoint consolidate ckpt/step-100 -o model.safetensors --dtype bf16
-    zerobridge checkpoint import-deepspeed ds_ckpt/ -o ckpt/imported       # DeepSpeed ZeRO 1-3, optimizer state too
+    zerobridge checkpoint import-deepspeed ds_ckpt/ ckpt/imported          # DeepSpeed ZeRO 1-3, optimizer state too
+    zerobridge checkpoint import-deepspeed ds_ckpt/ -o ckpt/imported --tag global_step400
 
 Exit codes: 0 success; 2 bad input (missing path, not a checkpoint, a file
 that fails its check), with one message naming the file and the fix.
@@ -50,7 +51,7 @@ def _human(n: int) -> str:
 def describe(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds, read from its metadata and small items only."""
     from zerobridge.checkpoint.matching import group_keys, state_keys  # lazy: loads torch
-    from zerobridge.checkpoint.metadata import LAYOUT_KEY, user_metadata  # lazy: loads torch
+    from zerobridge.checkpoint.metadata import LAYOUT_KEY, read_run_state  # lazy: loads torch
     from zerobridge.checkpoint.reader import open_checkpoint  # lazy: loads torch
 
     with warnings.catch_warnings():
@@ -68,6 +69,7 @@ def describe(path: str | Path) -> dict[str, Any]:
     layout = ckpt.read_bytes([LAYOUT_KEY])[LAYOUT_KEY] if ckpt.is_bytes(LAYOUT_KEY) else None
     ranks = {k.split(".")[2] for k in ckpt if k.startswith("zerobridge.rng.")}
     files = ckpt.manifest["files"] if ckpt.manifest is not None else {}
+    run = read_run_state(ckpt, with_scheduler=False, strict=False)
     info: dict[str, Any] = {
         "path": str(ckpt.path),
         "format": "zerobridge" if ckpt.manifest is not None else "torch.distributed.checkpoint (no manifest)",
@@ -84,10 +86,23 @@ def describe(path: str | Path) -> dict[str, Any]:
         "optimizer_keys": sorted({n for entries in states.values() for n in entries}),
         "optimizer_step": ckpt.full(step_key).item() if step_key is not None else None,
         "rng_ranks": len(ranks),
-        "metadata": user_metadata(ckpt),
+        "metadata": run.metadata,
+        "scheduler": _position(run.scheduler),
+        "client_state_keys": None if run.client_state is None else sorted(map(str, run.client_state)),
         "recovered": ckpt.recovered,
     }
     return info
+
+
+def _position(state: dict[str, Any] | None) -> str | None:
+    """Where a saved scheduler stands, in a few words (``None``: no scheduler state)."""
+    if state is None:
+        return None
+    if "last_epoch" in state:
+        return f"last_epoch {state['last_epoch']}, lr {state.get('_last_lr')}"
+    if "last_batch_iteration" in state:
+        return f"DeepSpeed schedule, last_batch_iteration {state['last_batch_iteration']}"
+    return f"state with keys {sorted(map(str, state))}"
 
 
 def _render(info: dict[str, Any]) -> str:
@@ -111,6 +126,9 @@ def _render(info: dict[str, Any]) -> str:
         + (f"; step {step:g}" if step is not None else ""),
         f"rng          {info['rng_ranks']} rank(s)",
         f"metadata     {json.dumps(info['metadata'])}",
+        f"scheduler    {info['scheduler'] or 'none saved'}",
+        "client_state " + ("none saved" if info["client_state_keys"] is None
+                           else f"keys {', '.join(info['client_state_keys']) or '(empty)'}"),
     ]
     if info["recovered"]:
         lines.append(f"recovered    {info['recovered']}")
@@ -146,24 +164,40 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 def _import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="DeepSpeed checkpoint directory (holding 'latest') or one global_stepN/ directory")
-    p.add_argument("-o", "--output", required=True, type=Path, help="the zerobridge checkpoint to write (atomically)")
-    p.add_argument("--tag", help="the tag to read (default: the one 'latest' names)")
+    p.add_argument("destination", nargs="?", type=Path, metavar="OUTPUT",
+                   help="the zerobridge checkpoint to write (atomically); or give it as -o")
+    p.add_argument("-o", "--output", type=Path, help="the zerobridge checkpoint to write (atomically)")
+    p.add_argument("--tag", help="the tag to read (default: the one 'latest' names, as DeepSpeed's load_checkpoint)")
     p.add_argument("--json", action="store_true", help="print the conversion report as JSON")
 
 
+def _output(args: argparse.Namespace) -> Path:
+    given = [p for p in (args.destination, args.output) if p is not None]
+    if not given:
+        raise CheckpointError("needs the checkpoint to write", source=args.directory, key="output",
+                              fix=f"zerobridge checkpoint import-deepspeed {args.directory} OUTPUT")
+    if len(given) == 2 and given[0] != given[1]:
+        raise CheckpointError(f"got two outputs, {given[0]} and -o {given[1]}", key="output", fix="give one")
+    output: Path = given[0]
+    return output
+
+
 def _import_deepspeed(args: argparse.Namespace) -> int:
-    from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint  # lazy: loads torch
+    from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint, run_extras  # lazy: loads torch
     from zerobridge.checkpoint.portable import write_portable  # lazy: loads torch
 
+    output = _output(args)
     state, report = import_deepspeed_checkpoint(args.directory, args.tag)
-    path = write_portable(args.output, state)
+    path = write_portable(output, state, extras=run_extras(state))
     if args.json:
         print(json.dumps({"output": str(path), "report": report.to_json()}, indent=2))
     else:
         meta = state.metadata
         print(f"read DeepSpeed ZeRO stage {meta.get('zero_stage')} checkpoint {meta.get('tag')} "
               f"(world size {meta.get('world_size')}): {len(state.model)} tensors, optimizer state for "
-              f"{len(state.optimizer)} parameters")
+              f"{len(state.optimizer)} parameters"
+              + (", LR scheduler state" if state.scheduler is not None else "")
+              + (f", client_state {sorted(state.client_state)}" if state.client_state else ""))
         print(report.render())
         print(f"wrote {path}: load it with zerobridge.load_checkpoint at any stage and world size, or dcp.load (FSDP2)")
     return 0

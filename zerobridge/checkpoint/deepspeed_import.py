@@ -5,7 +5,12 @@
     >>> print(report.render())                      # doctest: +SKIP
 
 Parameters and their optimizer state are rebuilt from the fp32 master
-partitions and the base optimizer's per-rank state. DeepSpeed is never
+partitions and the base optimizer's per-rank state; the LR scheduler's
+state (``lr_scheduler``) and the client state (the keys ``client_state``
+added) come along as ``PortableState.scheduler`` and ``.client_state``, the
+counters (``global_steps``, ``global_samples``, ``skipped_steps``) in the
+metadata, and ``run_extras`` gives the skipped-step count the engines
+restore. DeepSpeed is never
 imported; nothing is unpickled but tensors, plain containers and inert
 stand-ins for the three DeepSpeed classes the files name.
 
@@ -16,7 +21,13 @@ stage 3: ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank) holds
 (name -> size per flat group, in flat order), ``frozen_param_shapes`` and
 ``frozen_param_fragments`` (stage 2 on; stage 1 keeps frozen weights in ``module``
 only), ``shared_params`` (tied alias -> owner), ``buffer_names``,
-``global_steps``, ``ds_config`` and the ``client_state`` keys. Each rank's
+``lr_scheduler`` (the scheduler's ``state_dict()``: ``{"last_batch_iteration":
+n}`` for DeepSpeed's own schedules, ``None`` without one), ``global_steps``,
+``global_samples``, ``skipped_steps``, ``ds_config``, ``checkpoint_parallel_dimensions``
+and the ``client_state`` keys, merged in at the top level (DeepSpeed's
+``load_checkpoint`` hands back every key but a few of its own as the client
+state, ``ds_config`` and ``param_shapes`` included; stage 3 writes each rank's
+own ``client_state`` into its own file). Each rank's
 ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds
 ``optimizer_state_dict``. Stages 1-2: group g's trainable parameters lie end
 to end, each followed by ``param_alignment_paddings[g][j]`` elements, the
@@ -44,6 +55,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from zerobridge.checkpoint.layout import ZB
 from zerobridge.checkpoint.portable import PortableState
 from zerobridge.errors import ConfigError
 from zerobridge.translate.report import Entry, Report, Status
@@ -51,7 +63,7 @@ from zerobridge.translate.report import Entry, Report, Status
 if TYPE_CHECKING:
     from zerobridge.checkpoint.portable import PortableState
 
-__all__ = ["import_deepspeed_checkpoint"]
+__all__ = ["import_deepspeed_checkpoint", "run_extras"]
 
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _KNOWN_MODEL_KEYS = frozenset([
@@ -368,7 +380,14 @@ def import_deepspeed_checkpoint(directory: str | Path, tag: str | None = None) -
         "precision": "bf16" if files.optim_paths[0].name.startswith("bf16_") else  # fp16 files carry no prefix
         "fp16" if ((head.get("ds_config") or {}).get("fp16") or {}).get("enabled") is True else "fp32",
         "param_group_of": dict(build.group_of), "frozen": frozen, "buffers": buffers, "shared": shared,
-        "ds_config": json.loads(json.dumps(head.get("ds_config"), default=str))}
+        "ds_config": json.loads(json.dumps(head.get("ds_config"), default=str)),
+        "deepspeed": {name: int(head[name]) for name in ("global_steps", "global_samples", "skipped_steps")
+                      if isinstance(head.get(name), int)}}  # the counters, as zerobridge.deepspeed's engine saves them
+    scheduler = head.get("lr_scheduler")
+    if scheduler is not None and not isinstance(scheduler, dict):
+        raise ConfigError(f"lr_scheduler is a {type(scheduler).__name__}, not a state_dict()",
+                          source=files.model_paths[0], key="lr_scheduler", fix=_RESAVE_FIX)
+    client_state = {key: value for key, value in head.items() if key not in _KNOWN_MODEL_KEYS}
     keys = sorted({k for s in build.optimizer.values() for k in s})
     read = [Entry("tag", Status.EXACT, f"{tag_dir}: ZeRO-{files.stage}, world size {files.world}, read "
                   + ", ".join(p.name for p in files.model_paths + files.optim_paths)),
@@ -377,16 +396,38 @@ def import_deepspeed_checkpoint(directory: str | Path, tag: str | None = None) -
     report = Report("deepspeed", "zerobridge checkpoint", read + _notes(head, first, bool(groups), build.widened)
                     + build.notes)
     return PortableState(model=build.model, optimizer=build.optimizer, param_groups=param_groups,
-                         metadata=metadata), report
+                         metadata=metadata, scheduler=scheduler, client_state=client_state), report
+
+
+def run_extras(state: PortableState) -> dict[str, torch.Tensor]:
+    """What ``write_portable(extras=...)`` adds for an import: DeepSpeed's skipped-step count, which every
+    backend's ``load_checkpoint`` restores as its own."""
+    skipped = state.metadata.get("skipped_steps")
+    return {f"{ZB}.skipped_steps": torch.tensor(skipped, dtype=torch.int64)} if isinstance(skipped, int) else {}
+
+
+def _brief(state: object) -> str:
+    if isinstance(state, dict) and set(state) == {"last_batch_iteration"}:
+        return f"DeepSpeed schedule at last_batch_iteration {state['last_batch_iteration']}"
+    if isinstance(state, dict) and "last_epoch" in state:
+        return f"torch scheduler at last_epoch {state['last_epoch']}"
+    return "state_dict()"
 
 
 def _notes(head: dict[str, Any], first: dict[str, Any], has_groups: bool, widened: list[str]) -> list[Entry]:
     """Report entries for what the import drops or keeps only approximately."""
     notes = [Entry(key, Status.NOT_EXPRESSIBLE, f"{key} state dropped: rebuild it and fast-forward it to "
                    f"global_step {head.get('global_steps')}")
-             for key in ("lr_scheduler", "data_sampler", "random_ltd") if head.get(key) is not None]
-    notes += [Entry(f"client_state.{key}", Status.NOT_EXPRESSIBLE, "client_state entry dropped")
-              for key in sorted(set(head) - _KNOWN_MODEL_KEYS)]
+             for key in ("data_sampler", "random_ltd") if head.get(key) is not None]
+    if head.get("lr_scheduler") is not None:
+        notes.append(Entry("lr_scheduler", Status.EXACT, f"kept ({_brief(head['lr_scheduler'])}): "
+                           "load_checkpoint(..., scheduler=...) restores it into a torch LRScheduler or a "
+                           "DeepSpeed schedule"))
+    if client := sorted(set(head) - _KNOWN_MODEL_KEYS):
+        notes.append(Entry("client_state", Status.EXACT, f"kept ({', '.join(map(str, client))}): load_checkpoint "
+                           "returns it under 'client_state'" + (" (rank 0's: stage 3 saves one per rank)"
+                                                                if "zero_stage" in first and
+                                                                int(first["zero_stage"]) == 3 else "")))
     if not has_groups:
         notes.append(Entry("base_optimizer_state.param_groups", Status.APPROXIMATED, "elastic checkpoint: the "
                            "optimizer's hyperparameters are not saved; param groups hold only their parameters"))

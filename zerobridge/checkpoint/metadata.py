@@ -1,4 +1,5 @@
-"""What every backend's checkpoint holds besides tensors: the user's metadata, the layout, per-rank RNG keys.
+"""What every backend's checkpoint holds besides tensors: the user's metadata, the LR scheduler's state, the client
+state, the layout, per-rank RNG keys.
 
     >>> from zerobridge.checkpoint.metadata import METADATA_KEY, metadata_json
     >>> METADATA_KEY, metadata_json({"step": 100})
@@ -6,7 +7,10 @@
 
 ``save_checkpoint(metadata=...)`` is stored as JSON text under
 ``METADATA_KEY`` (anything else is refused before a byte is written), the
-saving run's layout under ``LAYOUT_KEY``, and each rank's RNG states under
+scheduler's ``state_dict()`` and the client state under ``SCHEDULER_KEY`` and
+``CLIENT_STATE_KEY`` (``run_state.py``; ``run_blobs`` writes the three,
+``read_run_state`` reads them back), the saving run's layout under
+``LAYOUT_KEY``, and each rank's RNG states under
 ``rank_key(rank, "rng.<name>")``; ``saved_ranks`` finds them back.
 """
 
@@ -20,10 +24,12 @@ import torch
 
 from zerobridge.checkpoint.layout import ZB, whole
 from zerobridge.checkpoint.reader import Checkpoint
+from zerobridge.checkpoint.run_state import CLIENT_STATE_KEY, SCHEDULER_KEY, RunState, check_run
 from zerobridge.checkpoint.storage import CheckpointError
-from zerobridge.checkpoint.writer import Piece
+from zerobridge.checkpoint.writer import Blob, Piece, agree
 
-__all__ = ["LAYOUT_KEY", "METADATA_KEY", "metadata_json", "saved_ranks", "tensor_piece", "user_metadata"]
+__all__ = ["LAYOUT_KEY", "METADATA_KEY", "metadata_json", "read_run_state", "run_blobs", "saved_ranks",
+           "tensor_piece", "user_metadata"]
 
 METADATA_KEY = f"{ZB}.metadata"
 """The user's ``metadata`` (JSON text)."""
@@ -71,3 +77,41 @@ def user_metadata(ckpt: Checkpoint) -> dict[str, Any]:
         raise CheckpointError("is not a JSON object", source=ckpt.source, key=METADATA_KEY,
                               fix="restore the checkpoint from a good copy")
     return value
+
+
+def run_blobs(run: RunState, *, distributed: bool) -> list[Blob]:
+    """The items rank 0 writes for ``run``: the metadata as JSON text, the scheduler's state and the client state
+    when given. Collective when ``distributed``: every rank checks its own (``check_run``), and one that refuses
+    makes every rank raise, before anything is written."""
+    blobs: list[Blob] = []
+    error: CheckpointError | None = None
+    try:
+        blobs.append(Blob(METADATA_KEY, metadata_json(run.metadata)))
+        check_run(run)
+    except CheckpointError as exc:
+        error = exc
+    agree(distributed, error)
+    if run.scheduler is not None:
+        blobs.append(Blob(SCHEDULER_KEY, run.scheduler, checked=True))
+    if run.client_state is not None:
+        blobs.append(Blob(CLIENT_STATE_KEY, run.client_state, checked=True))
+    return blobs
+
+
+def read_run_state(ckpt: Checkpoint, *, with_scheduler: bool, strict: bool) -> RunState:
+    """The metadata, scheduler state and client state of ``ckpt`` (read before anything is loaded, so a
+    missing scheduler state fails early). ``with_scheduler`` and ``strict``: the state must be there."""
+    if with_scheduler and strict and not ckpt.is_bytes(SCHEDULER_KEY):
+        raise CheckpointError("holds no learning-rate scheduler state (saved without scheduler=, or not by "
+                              "zerobridge)", source=ckpt.source, key=SCHEDULER_KEY,
+                              fix="load with scheduler=None and set the scheduler's position yourself (e.g. build "
+                                  "it with last_epoch=<steps taken> - 1 after setting each group's initial_lr), "
+                                  "or pass strict=False to skip it")
+    keys = [k for k in (SCHEDULER_KEY, CLIENT_STATE_KEY) if ckpt.is_bytes(k)]
+    values = ckpt.read_bytes(keys) if keys else {}
+    for key, value in values.items():
+        if not isinstance(value, dict):
+            raise CheckpointError(f"holds a {type(value).__name__}, not a dict", source=ckpt.source, key=key,
+                                  fix="restore the checkpoint from a good copy")
+    return RunState(metadata=user_metadata(ckpt), scheduler=values.get(SCHEDULER_KEY),
+                    client_state=values.get(CLIENT_STATE_KEY))

@@ -26,8 +26,9 @@ import torch
 
 from zerobridge.checkpoint.layout import model_key, optim_state_key, param_group_key, whole
 from zerobridge.checkpoint.matching import group_keys, state_keys
-from zerobridge.checkpoint.metadata import LAYOUT_KEY, METADATA_KEY, metadata_json, user_metadata
+from zerobridge.checkpoint.metadata import LAYOUT_KEY, read_run_state, run_blobs
 from zerobridge.checkpoint.reader import Checkpoint, open_checkpoint
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
 
@@ -46,6 +47,10 @@ class PortableState:
     """Optimizer groups in order: hyperparameters plus ``"params"``, a list of parameter names."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """JSON-able user metadata (``{"step": 10}``)."""
+    scheduler: dict[str, Any] | None = None
+    """The LR scheduler's ``state_dict()`` (torch's, or DeepSpeed's ``{"last_batch_iteration": n}``)."""
+    client_state: dict[str, Any] | None = None
+    """Plain values ``load_checkpoint`` returns under ``"client_state"`` (DeepSpeed's ``client_state``)."""
 
 
 def write_portable(path: str | Path, state: PortableState, *, extras: dict[str, torch.Tensor] | None = None,
@@ -55,7 +60,8 @@ def write_portable(path: str | Path, state: PortableState, *, extras: dict[str, 
 
     Optimizer state is keyed by parameter name; ``param_groups[i]["params"]``
     lists names. ``metadata`` must be JSON-able; it is what ``load_checkpoint``
-    returns. ``extras``: more whole tensors under their full keys (zerobridge's
+    returns, with ``client_state`` under ``"client_state"``; ``scheduler`` is
+    what ``load_checkpoint(scheduler=...)`` restores. ``extras``: more whole tensors under their full keys (zerobridge's
     own, e.g. ``zerobridge.rng.<rank>.torch``, ``zerobridge.skipped_steps``);
     ``layout``: what ``checkpoint info`` reports as the saving layout. Written
     to a temporary sibling and swapped into place."""
@@ -70,7 +76,9 @@ def write_portable(path: str | Path, state: PortableState, *, extras: dict[str, 
         source = state.metadata.get("source")
         if isinstance(source, str):
             layout["strategy"] = f"portable, from {source}"
-    blobs += [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, metadata_json(state.metadata))]
+    blobs += [Blob(LAYOUT_KEY, layout)]
+    blobs += run_blobs(RunState(metadata=state.metadata, scheduler=state.scheduler, client_state=state.client_state),
+                       distributed=False)
     write_checkpoint(Path(path), pieces, blobs, saved=layout, distributed=False)
     return Path(path)
 
@@ -91,7 +99,8 @@ def read_portable(path: str | Path, *, optimizer: bool = True) -> PortableState:
 
 def portable_from(ckpt: Checkpoint, *, optimizer: bool = True) -> PortableState:
     """``read_portable`` on a checkpoint already opened (and verified)."""
-    state = PortableState(metadata=user_metadata(ckpt))
+    run = read_run_state(ckpt, with_scheduler=False, strict=False)
+    state = PortableState(metadata=run.metadata, scheduler=run.scheduler, client_state=run.client_state)
     state.model = {key[len("model."):]: ckpt.full(key) for key in ckpt
                    if key.startswith("model.") and ckpt.tensor(key) is not None}
     if not optimizer:

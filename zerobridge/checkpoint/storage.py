@@ -30,6 +30,8 @@ import errno
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -110,7 +112,8 @@ def write_manifest(directory: Path, saved: dict[str, Any], files: dict[str, dict
 
 
 def checkpoint_kind(path: Path) -> str:
-    """``"zerobridge"`` (a manifest), ``"dcp"`` (DCP metadata only, e.g. written by FSDP2), or a clear error."""
+    """``"zerobridge"`` (a manifest), ``"dcp"`` (DCP metadata only, e.g. written by FSDP2), or a clear error
+    (a DeepSpeed checkpoint directory: the ``zerobridge checkpoint import-deepspeed`` command that converts it)."""
     if not path.exists():
         raise CheckpointError("no such checkpoint", source=path,
                               fix="check the path; a save writes a directory there")
@@ -121,9 +124,45 @@ def checkpoint_kind(path: Path) -> str:
         return "zerobridge"
     if (path / METADATA_FILE).is_file():
         return "dcp"
+    _refuse_deepspeed(path)
     raise CheckpointError(f"holds neither {MANIFEST} nor {METADATA_FILE}: not a checkpoint (or a save never "
                           "finished)", source=path, fix="pass a directory written by zerobridge.save_checkpoint or "
                           "torch.distributed.checkpoint.save")
+
+
+DEEPSPEED_LATEST = "latest"
+"""The file DeepSpeed's ``save_checkpoint`` names the newest tag in."""
+
+
+def _has_model_states(directory: Path) -> bool:
+    return directory.is_dir() and any(directory.glob("*model_states.pt"))
+
+
+def _step(tag: Path) -> tuple[int, str]:
+    found = re.search(r"(\d+)$", tag.name)
+    return (int(found.group(1)) if found else -1, tag.name)
+
+
+def _refuse_deepspeed(path: Path) -> None:
+    """A DeepSpeed save directory (``latest``, ``global_stepN/*model_states.pt``) or one tag directory: the
+    ``zerobridge checkpoint import-deepspeed`` command that converts it. A ``latest`` naming a zerobridge
+    checkpoint (``zerobridge.deepspeed``'s engine writes one): the directory to pass."""
+    latest = path / DEEPSPEED_LATEST
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip() if latest.is_file() else ""
+    if tag and (path / tag / MANIFEST).is_file():
+        raise CheckpointError(f"is a save directory whose {DEEPSPEED_LATEST!r} names the checkpoint {tag!r}",
+                              source=path, fix=f"load {path / tag}")
+    command = None
+    if _has_model_states(path) or (tag and _has_model_states(path / tag)):  # a tag directory, or what latest names
+        command = f"{shlex.quote(str(path))} {shlex.quote(f'{path}-zerobridge')}"
+    elif tags := sorted((t for t in path.iterdir() if _has_model_states(t)), key=_step):
+        command = (f"{shlex.quote(str(path))} {shlex.quote(f'{path}-zerobridge')} "
+                   f"--tag {shlex.quote(tags[-1].name)}")
+    if command is not None:
+        raise CheckpointError("is a DeepSpeed checkpoint (written by DeepSpeed's engine.save_checkpoint), not a "
+                              "zerobridge one", source=path,
+                              fix=f"convert it once with `zerobridge checkpoint import-deepspeed {command}` and "
+                                  "load the result (model, optimizer, LR scheduler and client_state come along)")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

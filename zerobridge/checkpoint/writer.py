@@ -100,6 +100,9 @@ class Blob:
 
     key: str
     value: Any
+    checked: bool = False
+    """The value was checked to read back under ``weights_only`` (``run_state.check_loadable``): any
+    container it holds is allowed, not only the plain values a hyperparameter may be."""
 
 
 class RunCache:
@@ -138,7 +141,7 @@ class _Planner(DefaultSavePlanner):
         self.paths = {p.key: key_path(p.key, p.fqn) for p in pieces}
         self.paths.update({b.key: key_path(b.key) for b in blobs})
         for blob in blobs:
-            if not _plain(blob.value):
+            if not blob.checked and not _plain(blob.value):
                 raise CheckpointError(f"holds a {type(blob.value).__name__}, which a checkpoint cannot store "
                                       "as a plain value", key=blob.key,
                                       fix="keep optimizer hyperparameters to numbers, strings, tuples and tensors")

@@ -123,7 +123,8 @@ def _optimizer(run: RunConfig, optimizer: Any, params: Params) -> torch.optim.Op
         return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(params)
     if run.optimizer is None:
         return None
-    return build_optimizer(run.optimizer, list(params), offloaded=run.spec.offload.optimizer.enabled)
+    groups: list[Any] = list(params)  # parameters or param-group dicts
+    return build_optimizer(run.optimizer, groups, offloaded=run.spec.offload.optimizer.enabled)
 
 
 def _scheduler(run: RunConfig, scheduler: Any, optimizer: torch.optim.Optimizer | None) -> LRScheduler | None:
@@ -136,7 +137,7 @@ def _scheduler(run: RunConfig, scheduler: Any, optimizer: torch.optim.Optimizer 
         if optimizer is None:
             raise ConfigError("lr_scheduler= is a callable but there is no optimizer to build it on",
                               key="lr_scheduler", fix="pass optimizer= or an optimizer section")
-        return scheduler(optimizer)  # type: ignore[no-any-return]
+        return scheduler(optimizer)
     if run.scheduler is None:
         return None
     if optimizer is None:
@@ -148,5 +149,5 @@ def _scheduler(run: RunConfig, scheduler: Any, optimizer: torch.optim.Optimizer 
 def _loader(data: Dataset[Any], run: RunConfig, collate_fn: Callable[..., Any] | None) -> DataLoader[Any]:
     """Each rank's micro-batches, with DeepSpeed's sampler (torch's ``DistributedSampler`` defaults)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank)
+    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=world, rank=rank)
     return DataLoader(data, batch_size=run.micro_batch, sampler=sampler, collate_fn=collate_fn)

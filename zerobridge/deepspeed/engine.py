@@ -73,7 +73,7 @@ class DeepSpeedEngine:
         self.global_steps = 0
         """Optimizer steps so far (one per accumulation boundary), including fp16 overflow skips."""
         self.global_samples = 0
-        """Samples consumed over all ranks."""
+        """Samples consumed over all ranks: ``train_batch_size`` more at each accumulation boundary."""
         self.skipped_steps = 0
         self._boundary: bool | None = None
         self._grad_norm: float | None = None
@@ -95,8 +95,8 @@ class DeepSpeedEngine:
 
     def step(self) -> None:
         """At an accumulation boundary: the optimizer step (which clips to ``gradient_clipping``), the learning
-        rate step (unless the step was skipped for an fp16 overflow) and ``zero_grad``. Every call counts a
-        micro-step and its samples."""
+        rate step (unless the step was skipped for an fp16 overflow), ``zero_grad`` and ``train_batch_size``
+        more samples. Every call counts a micro-step."""
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
                 raise RuntimeError("step() needs an optimizer: pass optimizer= to initialize or an optimizer "
@@ -110,9 +110,8 @@ class DeepSpeedEngine:
                 self.lr_scheduler.step()
             self.optimizer.zero_grad()
             self.global_steps += 1
+            self.global_samples += self.run.train_batch  # DeepSpeed counts a whole batch at its boundary
         self.micro_steps += 1
-        self.global_samples += self.run.micro_batch * self.world_size
-        self._boundary = None
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -128,7 +127,7 @@ class DeepSpeedEngine:
         return (self.micro_steps + 1) % self.run.accumulation == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Force the next ``step()`` to treat its micro-step as a boundary or not (as DeepSpeed allows)."""
+        """Treat every following micro-step as a boundary or not, until set again (as DeepSpeed does)."""
         self._boundary = is_boundary
 
     # ------------------------------------------------------------------ what scripts read
@@ -175,10 +174,14 @@ class DeepSpeedEngine:
         return self.module.named_parameters(prefix=prefix, recurse=recurse)
 
     def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's engine hands unknown names to the wrapped module; so does this one, after refusing
+        the engine calls it does not carry."""
         if name in REFUSED:
             raise NotImplementedError(f"DeepSpeedEngine.{name} is not carried by zerobridge.deepspeed: "
                                       f"{REFUSED[name]}")
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        if name.startswith("_") or "module" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(self.__dict__["module"], name)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
@@ -215,7 +218,7 @@ class DeepSpeedEngine:
         scheduler = self.lr_scheduler if load_lr_scheduler_states and not load_module_only else None
         meta = load_checkpoint(path, self.module, optimizer, scheduler=scheduler, strict=load_module_strict)
         counters = meta.get("deepspeed", {})
-        if not load_module_only:
-            for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+        if not load_module_only:  # DeepSpeed restores these three; micro_steps (and the accumulation phase) restart
+            for name in ("global_steps", "global_samples", "skipped_steps"):
                 setattr(self, name, int(counters.get(name, 0)))
         return str(path), meta.get("client_state", {})

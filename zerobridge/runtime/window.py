@@ -9,8 +9,8 @@
     (False, 'ACCUMULATING')
     >>> window.begin(), window.boundary, window.reduces      # the second one is the boundary
     (False, True, True)
-    >>> window.end(), window.state.name
-    (True, 'EMPTY')
+    >>> window.end(), window.state.name, window.at_boundary  # the optimizer (and scheduler) step now
+    (True, 'EMPTY', True)
 
 [Note: the accumulation window]
 An optimizer step consumes the gradients of ``accumulation_steps`` backward
@@ -85,6 +85,17 @@ class AccumulationWindow:
     def in_backward(self) -> bool:
         """Whether a backward pass is running."""
         return self.state is WindowState.BACKWARD
+
+    @property
+    def at_boundary(self) -> bool:
+        """Whether the last backward pass closed the window, so that the optimizer steps on whole gradients
+        (and a scheduler should step with it); before any backward pass of a window, whether the next one
+        will close it. False while micro-steps accumulate."""
+        if self.state is WindowState.ACCUMULATING:
+            return False
+        if self.state is WindowState.BACKWARD:
+            return self.boundary
+        return self.boundary or (self.syncing and self.micro + 1 >= self.accumulation_steps)
 
     @property
     def syncing(self) -> bool:

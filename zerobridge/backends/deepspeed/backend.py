@@ -24,8 +24,10 @@ from zerobridge.backends.deepspeed.checkpoint import load, save
 from zerobridge.backends.deepspeed.config import DeepSpeedPlan
 from zerobridge.backends.deepspeed.internals import DeepSpeedInternals, held_bytes
 from zerobridge.backends.deepspeed.step import DeepSpeedOptimizer, DeepSpeedStepper
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.comm_stats import CommStats
+from zerobridge.runtime.window import AccumulationWindow
 from zerobridge.spec import StrategySpec
 
 __all__ = ["DeepSpeedBackend"]
@@ -55,6 +57,10 @@ class DeepSpeedBackend(Backend):
         zero = plan.config["zero_optimization"]
         self.offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
         self.offload_params = zero.get("offload_param", {}).get("device", "none") != "none"
+
+    @property
+    def window(self) -> AccumulationWindow:
+        return self.stepper.window
 
     @property
     def spec(self) -> StrategySpec:
@@ -96,14 +102,14 @@ class DeepSpeedBackend(Backend):
             raise ConfigError("this optimizer is not the one zerobridge.prepare returned for the model",
                               key="optimizer", fix="pass the optimizer prepare returned")
 
-    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
-                        metadata: dict[str, Any] | None) -> Path:
+    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, run: RunState) -> Path:
         self._check_optimizer(optimizer)
         with self.stepper.counting():
-            return save(self, path, with_optimizer=optimizer is not None, metadata=metadata)
+            return save(self, path, with_optimizer=optimizer is not None, run=run)
 
-    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
-                        rng: bool) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
+                        with_scheduler: bool) -> RunState:
         self._check_optimizer(optimizer)
         with self.stepper.counting():
-            return load(self, path, with_optimizer=optimizer is not None, strict=strict, rng=rng)
+            return load(self, path, with_optimizer=optimizer is not None, strict=strict, rng=rng,
+                        with_scheduler=with_scheduler)

@@ -5,9 +5,10 @@ parameter, the full fp32 master and optimizer state
 (``deepspeed.utils.safe_get_full_*``: every rank ends up with every value)
 and rank 0 writes them with ``write_portable``, with every rank's RNG
 states, the skipped-step count, the param groups (names of the user's
-groups) and the user's metadata, while the other ranks wait for it. The
-result is an ordinary zerobridge checkpoint (FSDP2 keys, manifest): the
-native engine and FSDP2 load it at any stage and world size. ``load``
+groups), the user's metadata, the scheduler's state and the client state,
+while the other ranks wait for it. The result is an ordinary zerobridge
+checkpoint (FSDP2 keys, manifest): the native engine and FSDP2 load it at
+any stage and world size. ``load``
 reads any zerobridge or FSDP2 checkpoint (verified, each rank a share),
 every rank all of it, and writes the values into the masters, the compute
 parameters and the optimizer's state (``safe_set_full_*``), then restores
@@ -30,10 +31,11 @@ from zerobridge._version import __version__
 from zerobridge.backends.deepspeed.config import DeepSpeedPlan
 from zerobridge.backends.deepspeed.internals import DeepSpeedInternals, shape_of
 from zerobridge.checkpoint.layout import ZB, rank_key
-from zerobridge.checkpoint.metadata import metadata_json, saved_ranks
+from zerobridge.checkpoint.metadata import read_run_state, run_blobs, saved_ranks
 from zerobridge.checkpoint.portable import PortableState, portable_from, write_portable
 from zerobridge.checkpoint.reader import open_checkpoint
 from zerobridge.checkpoint.rng import capture_rng, restore_rng
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import agree
 
@@ -68,9 +70,9 @@ def _group_index(backend: DeepSpeedRun) -> dict[str, int]:
     return {name: i for i, names in enumerate(backend.groups) for name in names}
 
 
-def save(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, metadata: dict[str, Any] | None) -> Path:
+def save(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, run: RunState) -> Path:
     """Write a zerobridge checkpoint of the engine's state. Collective; rank 0 writes."""
-    metadata_json(metadata)  # refuse bad metadata on every rank, before any collective
+    run_blobs(run, distributed=_distributed())  # refuse bad metadata or client state on every rank, first
     model = backend.full_state(rank0_only=False, offload_to_cpu=False)
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     groups: list[dict[str, Any]] = []
@@ -101,16 +103,19 @@ def save(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, metadata: d
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             write_portable(path, PortableState(model=model, optimizer=optimizer, param_groups=groups,
-                                               metadata=dict(metadata or {})), extras=extras, layout=layout)
+                                               metadata=run.metadata, scheduler=run.scheduler,
+                                               client_state=run.client_state), extras=extras, layout=layout)
         except (OSError, CheckpointError) as exc:
             error = exc
     agree(_distributed(), error)
     return path
 
 
-def load(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, strict: bool, rng: bool) -> dict[str, Any]:
+def load(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, strict: bool, rng: bool,
+         with_scheduler: bool = False) -> RunState:
     """Load any zerobridge (or FSDP2) checkpoint into the engine. Collective."""
     ckpt = open_checkpoint(path, distributed=_distributed())
+    read_run_state(ckpt, with_scheduler=with_scheduler, strict=strict)  # refuses early what is missing
     state = portable_from(ckpt, optimizer=with_optimizer)
     params = backend.named_params()
     values: dict[int, torch.Tensor] = {}
@@ -146,7 +151,7 @@ def load(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, strict: boo
     if rng and ranks:
         mine = ranks.get((dist.get_rank() if dist.is_initialized() else 0) % len(ranks), {})
         restore_rng({name: ckpt.full(key) for name, key in mine.items()})
-    return state.metadata
+    return RunState(metadata=state.metadata, scheduler=state.scheduler, client_state=state.client_state)
 
 
 def _load_optimizer(backend: DeepSpeedRun, state: PortableState, params: list[Any], *, strict: bool,

@@ -27,10 +27,12 @@ from zerobridge.backends.fsdp.assess import Assessment
 from zerobridge.backends.fsdp.checkpoint import load_fsdp, save_fsdp
 from zerobridge.backends.fsdp.step import FsdpStepper
 from zerobridge.backends.fsdp.targets import dtensor_targets
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.pretrained.targets import Target
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.plan import RunPlan
 from zerobridge.runtime.tensors import StorageCounter
+from zerobridge.runtime.window import AccumulationWindow
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.report import Entry, Report
 
@@ -57,6 +59,10 @@ class FsdpBackend(Backend):
         for entry in [*approximations, *assessment.tuning, *assessment.equivalent]:
             self.report.add(entry.key, entry.status, entry.note, target=entry.target)
         self.offloaded = assessment.form["offload_policy"] is not None
+
+    @property
+    def window(self) -> AccumulationWindow:
+        return self.stepper.window
 
     @property
     def spec(self) -> StrategySpec:
@@ -101,13 +107,12 @@ class FsdpBackend(Backend):
     def reset_stats(self) -> None:
         self.comm.reset()
 
-    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
-                        metadata: dict[str, Any] | None) -> Path:
-        return save_fsdp(path, self, optimizer, metadata)
+    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, run: RunState) -> Path:
+        return save_fsdp(path, self, optimizer, run)
 
-    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
-                        rng: bool) -> dict[str, Any]:
-        return load_fsdp(path, self, optimizer, strict=strict, rng=rng)
+    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
+                        with_scheduler: bool) -> RunState:
+        return load_fsdp(path, self, optimizer, strict=strict, rng=rng, with_scheduler=with_scheduler)
 
     def pretrained_targets(self) -> list[Target]:
         return dtensor_targets(self.model)

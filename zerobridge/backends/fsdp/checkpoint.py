@@ -7,9 +7,9 @@ Writing: each rank of the first replica writes its dim-0 shard of every
 parameter (under each of its names) and of each optimizer state tensor
 shaped like the parameter, as the boxes DCP would write for
 ``get_state_dict(model, optimizer)``; rank 0 adds buffers, param groups, the
-loss scaler, skipped steps, the layout and the metadata; every rank its RNG
-states. The native writer's machinery (``checkpoint/writer.py``) does the
-atomic save and the manifest.
+loss scaler, skipped steps, the layout, the metadata, the scheduler's state
+and the client state; every rank its RNG states. The native writer's
+machinery (``checkpoint/writer.py``) does the atomic save and the manifest.
 
 Reading goes through the verified reader (``checkpoint/reader.py``: files
 checked against the manifest, DCP's metadata read with a restricted
@@ -41,16 +41,10 @@ from zerobridge.checkpoint.matching import (
     state_keys,
     state_to_param,
 )
-from zerobridge.checkpoint.metadata import (
-    LAYOUT_KEY,
-    METADATA_KEY,
-    metadata_json,
-    saved_ranks,
-    tensor_piece,
-    user_metadata,
-)
+from zerobridge.checkpoint.metadata import LAYOUT_KEY, read_run_state, run_blobs, saved_ranks, tensor_piece
 from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
 from zerobridge.checkpoint.rng import capture_rng, restore_rng
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, write_checkpoint
 from zerobridge.runtime.plan import RunPlan
@@ -127,12 +121,11 @@ def layout(backend: FsdpRun) -> dict[str, Any]:
             "compute_dtype": str(plan.compute_dtype).removeprefix("torch."), "backend": "fsdp"}
 
 
-def save_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | None,
-              metadata: dict[str, Any] | None) -> Path:
+def save_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | None, run: RunState) -> Path:
     """``save_checkpoint`` on the FSDP2 backend. Collective."""
     import torch.distributed as dist
 
-    text = metadata_json(metadata)
+    extras = run_blobs(run, distributed=True)
     shards = _shards(backend)
     first = {id(s.param): s.names[0] for s in shards}
     held = _held(optimizer, first)
@@ -173,7 +166,7 @@ def save_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | N
                           for k, v in group.items()]
         pieces += [tensor_piece(f"{ZB}.loss_scaler", backend.stepper.scaler.state_tensor()),
                    tensor_piece(f"{ZB}.skipped_steps", torch.tensor(backend.stepper.skipped_steps))]
-        blobs += [Blob(LAYOUT_KEY, summary), Blob(METADATA_KEY, text)]
+        blobs += [Blob(LAYOUT_KEY, summary)] + extras
     write_checkpoint(path, pieces, blobs, distributed=True,
                      saved={**summary, "zerobridge": __version__, "torch": torch.__version__})
     return path
@@ -193,11 +186,12 @@ def _staged(ckpt: Checkpoint, key: str, box: Box, targets: list[Target]) -> torc
 
 
 def load_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | None, *, strict: bool,
-              rng: bool) -> dict[str, Any]:
+              rng: bool, with_scheduler: bool = False) -> RunState:
     """``load_checkpoint`` on the FSDP2 backend: each rank reads its rows. Collective."""
     import torch.distributed as dist
 
     ckpt = open_checkpoint(path, distributed=True)
+    run = read_run_state(ckpt, with_scheduler=with_scheduler, strict=strict)
     shards = _shards(backend)
     first = {id(s.param): s.names[0] for s in shards}
     params = {n for s in shards for n in s.names}
@@ -252,7 +246,7 @@ def load_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | N
     if rng and ranks:
         source = ranks.get(dist.get_rank() % len(ranks), {})
         restore_rng({name: ckpt.full(key) for name, key in source.items()})
-    return user_metadata(ckpt)
+    return run
 
 
 def _set_state(optimizer: torch.optim.Optimizer, shard: Shard, staged: dict[str, Any], group: dict[str, Any]) -> None:

@@ -17,10 +17,12 @@ from torch import nn
 
 from zerobridge.backends.base import Backend
 from zerobridge.backends.native.targets import engine_targets
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.engine import Engine
 from zerobridge.engine.local_runs import refresh_compute
 from zerobridge.engine.state import full_state_dict
 from zerobridge.pretrained.targets import Target
+from zerobridge.runtime.window import AccumulationWindow
 from zerobridge.spec import StrategySpec
 
 __all__ = ["NativeBackend"]
@@ -34,6 +36,10 @@ class NativeBackend(Backend):
     def __init__(self, model: nn.Module, engine: Engine) -> None:
         self.model = model
         self.engine = engine
+
+    @property
+    def window(self) -> AccumulationWindow:
+        return self.engine.window
 
     @property
     def spec(self) -> StrategySpec:
@@ -55,17 +61,17 @@ class NativeBackend(Backend):
     def reset_stats(self) -> None:
         self.engine.stats.reset()
 
-    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None,
-                        metadata: dict[str, Any] | None) -> Path:
+    def save_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, run: RunState) -> Path:
         from zerobridge.backends.native.checkpoint import save_native  # lazy: loads torch.distributed.checkpoint
 
-        return save_native(path, self.model, self.engine, optimizer, metadata)
+        return save_native(path, self.model, self.engine, optimizer, run)
 
-    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool,
-                        rng: bool) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
+                        with_scheduler: bool) -> RunState:
         from zerobridge.backends.native.checkpoint import load_native  # lazy: loads torch.distributed.checkpoint
 
-        return load_native(path, self.model, self.engine, optimizer, strict=strict, rng=rng)
+        return load_native(path, self.model, self.engine, optimizer, strict=strict, rng=rng,
+                           with_scheduler=with_scheduler)
 
     def pretrained_targets(self) -> list[Target]:
         return engine_targets(self.engine)

@@ -12,8 +12,8 @@ Writing, per parameter: each writer run (first replica) becomes boxes of
 state tensor shaped like the parameter (``optim.state.<first name>.<key>``);
 0-d state (``step``) is a whole tensor that DCP writes once. Everything is
 read through ``zerobridge.engine.local_runs`` when DCP asks for it. Rank 0 adds
-buffers, param groups, the loss scaler, skipped steps, the layout and the
-metadata; every rank its RNG states.
+buffers, param groups, the loss scaler, skipped steps, the layout, the
+metadata, the scheduler's state and the client state; every rank its RNG states.
 
 Reading, on every rank (replicas too): each run's boxes are intersected
 with whatever chunks were saved, staged in the saved dtype, and handed to
@@ -55,16 +55,10 @@ from zerobridge.checkpoint.matching import (
     state_keys,
     state_to_param,
 )
-from zerobridge.checkpoint.metadata import (
-    LAYOUT_KEY,
-    METADATA_KEY,
-    metadata_json,
-    saved_ranks,
-    tensor_piece,
-    user_metadata,
-)
+from zerobridge.checkpoint.metadata import LAYOUT_KEY, read_run_state, run_blobs, saved_ranks, tensor_piece
 from zerobridge.checkpoint.reader import Checkpoint, Target, open_checkpoint
 from zerobridge.checkpoint.rng import capture_rng, restore_rng
+from zerobridge.checkpoint.run_state import RunState
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.checkpoint.writer import Blob, Piece, RunCache, write_checkpoint
 from zerobridge.engine.engine import Engine
@@ -277,25 +271,26 @@ def layout_summary(engine: Engine) -> dict[str, Any]:
 
 
 def save_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None,
-                metadata: dict[str, Any] | None) -> Path:
+                run: RunState) -> Path:
     """``save_checkpoint`` on the native engine: every rank its own runs."""
-    text = metadata_json(metadata)
+    extras = run_blobs(run, distributed=True)
     pieces, blobs = engine_pieces(engine, optimizer)
     pieces += [tensor_piece(rank_key(engine.mesh.rank, name), value) for name, value in capture_rng().items()]
     layout = layout_summary(engine)
     if engine.mesh.rank == 0:
         more, groups = replicated_pieces(engine, optimizer, model)
         pieces += more + [tensor_piece(f"{ZB}.{name}", value) for name, value in stepping_state(engine).items()]
-        blobs += groups + [Blob(LAYOUT_KEY, layout), Blob(METADATA_KEY, text)]
+        blobs += groups + [Blob(LAYOUT_KEY, layout)] + extras
     write_checkpoint(path, pieces, blobs, distributed=True,
                      saved={**layout, "zerobridge": __version__, "torch": torch.__version__})
     return path
 
 
 def load_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None, *,
-                strict: bool, rng: bool) -> dict[str, Any]:
+                strict: bool, rng: bool, with_scheduler: bool = False) -> RunState:
     """``load_checkpoint`` on the native engine: each rank reads the chunks its runs overlap."""
     ckpt = open_checkpoint(path, distributed=True)
+    run = read_run_state(ckpt, with_scheduler=with_scheduler, strict=strict)
     load_engine(ckpt, engine, model, optimizer, strict=strict)
     extras = {name: ckpt.full(f"{ZB}.{name}") for name in ("loss_scaler", "skipped_steps")
               if ckpt.tensor(f"{ZB}.{name}") is not None}
@@ -304,4 +299,4 @@ def load_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.o
     if rng and ranks:
         source = ranks.get(engine.mesh.rank % len(ranks), {})
         restore_rng({name: ckpt.full(key) for name, key in source.items()})
-    return user_metadata(ckpt)
+    return run
