@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -47,8 +49,19 @@ def test_a_model_prepared_by_any_backend_is_refused_a_second_time() -> None:
         zerobridge.prepare(model, stage=0)
 
 
+@pytest.fixture
+def own_environ() -> Iterator[None]:
+    """DeepSpeed's in-process start sets RANK, WORLD_SIZE, LOCAL_RANK (and no MASTER_ADDR): later tests would
+    read them as a launcher's."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.mark.parametrize("backend", ["native", "fsdp", "deepspeed"])
-def test_accumulation_boundary_is_public_and_steps_the_schedule_once_per_window(backend: str) -> None:
+def test_accumulation_boundary_is_public_and_steps_the_schedule_once_per_window(backend: str, own_environ: None
+                                                                                 ) -> None:
     """The natural port of a DeepSpeed loop: step the optimizer and the scheduler only at a boundary."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

@@ -5,6 +5,7 @@
     zerobridge checkpoint consolidate ckpt/step-100 -o model.safetensors --dtype bf16
     zerobridge checkpoint import-deepspeed ds_ckpt/ ckpt/imported          # DeepSpeed ZeRO 1-3, optimizer state too
     zerobridge checkpoint import-deepspeed ds_ckpt/ -o ckpt/imported --tag global_step400
+    zerobridge checkpoint export-deepspeed ckpt/step-100 ds_ckpt/ --stage 2 --world-size 8 --config ds.json
 
 Exit codes: 0 success; 2 bad input (missing path, not a checkpoint, a file
 that fails its check), with one message naming the file and the fix.
@@ -203,12 +204,45 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="zerobridge checkpoint (any stage, world size, backend), or a save directory "
+                   "whose 'latest' names one")
+    p.add_argument("destination", type=Path, help="the DeepSpeed checkpoint directory to write (what "
+                   "engine.load_checkpoint takes): the tag directory goes under it and 'latest' names it")
+    p.add_argument("--stage", type=int, required=True, choices=(1, 2, 3), help="the DeepSpeed run's ZeRO stage")
+    p.add_argument("--world-size", type=int, required=True, help="the DeepSpeed run's data-parallel world size")
+    p.add_argument("--tag", help="the tag directory (default: global_step<global_steps>, as DeepSpeed names it)")
+    p.add_argument("--config", type=Path, help="the DeepSpeed JSON the run uses (optimizer, scheduler, ZeRO "
+                   "layout settings); without it: DeepSpeed's defaults and a torch Adam/AdamW client optimizer")
+    p.add_argument("--frozen", action="append", default=[], metavar="NAME",
+                   help="a frozen parameter the source's optimizer groups do not list (repeat); else taken for "
+                        "a buffer")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _export_deepspeed(args: argparse.Namespace) -> int:
+    from zerobridge.checkpoint.deepspeed_export import export_deepspeed_checkpoint  # lazy: loads torch
+
+    path, report = export_deepspeed_checkpoint(args.source, args.destination, stage=args.stage,
+                                               world_size=args.world_size, tag=args.tag, config=args.config,
+                                               frozen=args.frozen)
+    if args.json:
+        print(json.dumps({"output": str(path), "report": report.to_json()}, indent=2))
+    else:
+        print(report.render())
+        print(f"wrote {path}: a ZeRO-{args.stage} DeepSpeed run of {args.world_size} ranks resumes with "
+              f"engine.load_checkpoint({str(args.destination)!r})")
+    return 0
+
+
 ACTIONS: dict[str, Action] = {
     "info": Action("what a checkpoint holds: layout, tensors, optimizer state, metadata; every file verified",
                    _info_arguments, _info),
     "consolidate": Action("the model's full weights as one safetensors file", _consolidate_arguments, _consolidate),
     "import-deepspeed": Action("a DeepSpeed ZeRO (stage 1-3) checkpoint as a zerobridge checkpoint, optimizer "
                                "state included", _import_arguments, _import_deepspeed),
+    "export-deepspeed": Action("a zerobridge checkpoint as a DeepSpeed ZeRO (stage 1-3) checkpoint that "
+                               "engine.load_checkpoint resumes from", _export_arguments, _export_deepspeed),
 }
 
 
