@@ -64,9 +64,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     partitioned as it goes (``materialize.py``)."""
     check_fresh(model, optimizer)
     if optimizer is None:
+        section = "optimizer" in spec.passthrough.get("deepspeed", {})
         raise ConfigError("DeepSpeed takes the optimizer when it initialises (its client optimizer): "
                           "prepare(model) alone cannot build the engine", key="optimizer",
-                          fix="pass the optimizer: model, optimizer = zerobridge.prepare(model, optimizer, "
+                          fix=("the config's optimizer section is built by zerobridge.deepspeed.initialize(model=..., "
+                               "config=...), on every backend; or pass your own: " if section else "pass the "
+                               "optimizer: ") + "model, optimizer = zerobridge.prepare(model, optimizer, "
                               "backend='deepspeed')")
     groups = _groups(model, optimizer)
     try:
