@@ -62,6 +62,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zerobridge.checkpoint.deepspeed_import import MODEL_STATE_KEYS
 from zerobridge.checkpoint.layout import ZB
 from zerobridge.checkpoint.portable import PortableState, portable_from
 from zerobridge.checkpoint.reader import Checkpoint, open_checkpoint
@@ -79,13 +80,6 @@ __all__ = ["DEEPSPEED_VERSION", "DeepSpeedTarget", "export_deepspeed_checkpoint"
 
 DEEPSPEED_VERSION = "0.19.8"
 """The DeepSpeed release whose layout is written (``ds_version`` in the files)."""
-RESERVED = frozenset([
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
-    "ds_autoep_layers"])
-"""Keys of DeepSpeed's model states file that a client state may not hold (it is merged in beside them)."""
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 _FIX_CONFIG = "pass --config with the DeepSpeed JSON the run will use, or change that JSON"
 _SUPPORTED = ("fp32 runs of Adam or AdamW (DeepSpeed's FusedAdam, torch's with torch_adam, or a torch Adam/AdamW "
@@ -590,7 +584,7 @@ def _model_files(src: _Source, target: DeepSpeedTarget, out: _Files, counters: d
 
 def _client_state(src: _Source) -> dict[str, Any]:
     client = src.state.client_state or {}
-    if clash := sorted(set(map(str, client)) & RESERVED):
+    if clash := sorted(set(map(str, client)) & MODEL_STATE_KEYS):
         raise CheckpointError(f"client_state holds {clash}, key(s) DeepSpeed's model states file keeps its own "
                               "values under (the client state is merged in beside them)", source=src.path,
                               key=f"{ZB}.client_state", fix="rename those client_state keys and save again")

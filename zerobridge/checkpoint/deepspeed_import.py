@@ -63,15 +63,16 @@ from zerobridge.translate.report import Entry, Report, Status
 if TYPE_CHECKING:
     from zerobridge.checkpoint.portable import PortableState
 
-__all__ = ["import_deepspeed_checkpoint", "run_extras"]
+__all__ = ["MODEL_STATE_KEYS", "import_deepspeed_checkpoint", "run_extras"]
 
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_KNOWN_MODEL_KEYS = frozenset([
+MODEL_STATE_KEYS = frozenset([
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
     "ds_autoep_layers"])
+"""DeepSpeed's own keys in a model states file; a client state is merged in beside them."""
 _CONVERT_FIX = ("load it in DeepSpeed on a plain data-parallel ZeRO 1-3 run (a universal checkpoint lets the "
                 "parallelism change), save_checkpoint, and import that")
 _RESAVE_FIX = "the files come from different saves or an interrupted copy: copy the whole tag directory again"
@@ -387,7 +388,7 @@ def import_deepspeed_checkpoint(directory: str | Path, tag: str | None = None) -
     if scheduler is not None and not isinstance(scheduler, dict):
         raise ConfigError(f"lr_scheduler is a {type(scheduler).__name__}, not a state_dict()",
                           source=files.model_paths[0], key="lr_scheduler", fix=_RESAVE_FIX)
-    client_state = {key: value for key, value in head.items() if key not in _KNOWN_MODEL_KEYS}
+    client_state = {key: value for key, value in head.items() if key not in MODEL_STATE_KEYS}
     keys = sorted({k for s in build.optimizer.values() for k in s})
     read = [Entry("tag", Status.EXACT, f"{tag_dir}: ZeRO-{files.stage}, world size {files.world}, read "
                   + ", ".join(p.name for p in files.model_paths + files.optim_paths)),
@@ -423,7 +424,7 @@ def _notes(head: dict[str, Any], first: dict[str, Any], has_groups: bool, widene
         notes.append(Entry("lr_scheduler", Status.EXACT, f"kept ({_brief(head['lr_scheduler'])}): "
                            "load_checkpoint(..., scheduler=...) restores it into a torch LRScheduler or a "
                            "DeepSpeed schedule"))
-    if client := sorted(set(head) - _KNOWN_MODEL_KEYS):
+    if client := sorted(set(head) - MODEL_STATE_KEYS):
         notes.append(Entry("client_state", Status.EXACT, f"kept ({', '.join(map(str, client))}): load_checkpoint "
                            "returns it under 'client_state'" + (" (rank 0's: stage 3 saves one per rank)"
                                                                 if "zero_stage" in first and

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from zerobridge.spec import StrategySpec, is_auto
+from zerobridge.translate.carried import SECTIONS
 from zerobridge.translate.formats import read
 from zerobridge.translate.sources import Located, parse_json, read_text
 
 __all__ = ["RunConfig", "read_config"]
 
-SECTIONS = ("optimizer", "scheduler")
 
 
 @dataclass(frozen=True)

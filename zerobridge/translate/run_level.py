@@ -37,11 +37,8 @@ from zerobridge.spec import AUTO, DType, StrategySpec, is_auto
 from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report, Status, Translation
 
-__all__ = ["BATCH_FIELDS", "CLI_FLAGS", "RUN_LEVEL_KEYS", "TRAINER_FLAGS", "leave_to_script", "trainer_run_flags",
+__all__ = ["CLI_FLAGS", "RUN_LEVEL_KEYS", "TRAINER_FLAGS", "leave_to_script", "trainer_run_flags",
            "with_run_settings"]
-
-BATCH_FIELDS = ("micro_batch_size", "accumulation_steps", "global_batch_size", "clip_grad_norm")
-"""The spec's run-level batch fields (``batch.*``)."""
 
 TRAINER_FLAGS: dict[str, str] = {
     "micro_batch_size": "--per_device_train_batch_size",
