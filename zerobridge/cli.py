@@ -14,9 +14,11 @@
     zerobridge checkpoint consolidate ckpt/step-100 -o model.safetensors --dtype bf16
     zerobridge compare                                        # tiny GPT: stages 0-3 on native, FSDP2, DeepSpeed
     zerobridge compare --stages 3 --backends native fsdp --json result.json
+    zerobridge plan llama-3-70b --world-size 64 --nodes 8 --device-memory 80GiB --seq-len 4096   # what fits
 
 Exit codes: 0 success; 1 ``--strict`` saw an approximation, ``diff`` found
-a difference, or ``compare`` saw runs disagree; 2 bad input (the message names the file, key, line and fix);
+a difference, ``compare`` saw runs disagree, or ``plan`` found nothing that fits;
+2 bad input (the message names the file, key, line and fix);
 ``run`` exits with the launcher's code.
 """
 
@@ -44,6 +46,8 @@ from zerobridge.errors import ConfigError
 from zerobridge.explain import explain
 from zerobridge.launch import add_run_arguments, launch
 from zerobridge.load import load_spec
+from zerobridge.plan.cli import add_parser as add_plan_parser
+from zerobridge.plan.cli import run as run_plan
 from zerobridge.registry import strategies
 from zerobridge.translate.formats import SOURCES, TARGETS, YAML_TARGETS, write
 from zerobridge.translate.keys import from_validation_error
@@ -127,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
                     "the launcher's; everything after it is passed to the script untouched."))
     add_checkpoint_parser(sub)
     add_compare_parser(sub)
+    add_plan_parser(sub)
     return p
 
 
@@ -257,8 +262,12 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return run_checkpoint(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    return run_plan(args)
+
+
 _COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo,
-             "run": _run, "checkpoint": _checkpoint, "compare": _compare}
+             "run": _run, "checkpoint": _checkpoint, "compare": _compare, "plan": _plan}
 
 if __name__ == "__main__":
     raise SystemExit(main())

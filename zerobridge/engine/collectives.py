@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from zerobridge.distributed import carries_host
 from zerobridge.runtime.comm_stats import CollectiveKind, CommStats
+from zerobridge.runtime.tensors import same_memory
 
 __all__ = ["Pending", "all_gather", "all_reduce", "broadcast", "broadcast_module", "flat_collective", "reduce_scatter"]
 
@@ -87,7 +88,7 @@ def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full
     """One flat single-tensor collective; ``full`` is the buffer the volume counts."""
     size = _size(group)
     if size == 1:
-        if source.data_ptr() != output.data_ptr():
+        if not same_memory(source, output):
             output.copy_(source)
         return DONE
     _check_host(full, group)

@@ -56,6 +56,7 @@ from zerobridge.engine.tiers import open_spaces
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.loss_scale import ScaleGrad
 from zerobridge.runtime.step_rules import install_optimizer_hooks, nonfinite_flag
+from zerobridge.runtime.tensors import host_flags
 from zerobridge.runtime.unit_wrap import after_inputs_backward, cast_floats, checkpointed
 from zerobridge.runtime.window import AccumulationWindow
 from zerobridge.runtime.wrap_units import collect_params, owners, unit_modules
@@ -373,7 +374,7 @@ class Engine:
             parts.append(nonfinite_flag([g.grad_store for g in self.trainable if g.grad_store is not None], device))
         flags = torch.cat(parts) if parts else torch.zeros(0, device=device)
         collectives.all_reduce(flags, self.mesh.control, self.stats, op=torch.distributed.ReduceOp.MAX)
-        host = flags.tolist()  # the step's one host read
+        host = host_flags(flags, nonfinite_last=self.stepper.checks_nonfinite)  # the step's one host read
         start = 0
         for group in self.trainable:
             count = len(group.refs)

@@ -27,6 +27,7 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.streams import Role, Streams
+from zerobridge.runtime.tensors import same_memory
 
 __all__ = ["MAX_INFLIGHT_REDUCTIONS", "Reduction", "ReductionQueue", "reduce_bucket"]
 
@@ -82,7 +83,7 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
     dst = group.grad_store[bucket.in_shard if plan.shard_grads else bucket.piece_of(r)]
 
     def store() -> Reduction | None:
-        if y.data_ptr() != dst.data_ptr():
+        if not same_memory(y, dst):
             dst.copy_(y) if group.store_is_accumulator else dst.add_(y)
         return None
 

@@ -29,7 +29,7 @@ from zerobridge.engine.nvme_step import StateSwapper
 from zerobridge.engine.swapfile import FileRegion
 from zerobridge.engine.tiers import ON_DEVICE, Placement
 from zerobridge.runtime.comm_stats import CommStats
-from zerobridge.runtime.tensors import storage_bytes
+from zerobridge.runtime.tensors import storage_bytes, storage_id
 
 __all__ = ["full_state_dict", "group_bytes", "memory", "unshuffle"]
 
@@ -132,11 +132,9 @@ def memory(groups: list[FlatGroup], optimizers: object, swapper: StateSwapper | 
             if id(param) not in owned:
                 continue
             for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    storage = value.untyped_storage()
-                    if storage.data_ptr() not in seen:
-                        seen.add(storage.data_ptr())
-                        states += storage.nbytes()
+                if isinstance(value, torch.Tensor) and storage_id(value) not in seen:
+                    seen.add(storage_id(value))
+                    states += value.untyped_storage().nbytes()
     tiers[optimizer_tier.resident_label] += states
     if swapper is not None:
         kept = swapper.resident_bytes()

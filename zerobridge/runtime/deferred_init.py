@@ -58,7 +58,8 @@ from torch import nn
 
 from zerobridge.errors import ConfigError
 
-__all__ = ["InitOp", "Replay", "agree_generator", "is_meta_model", "materialize_device", "replay_on_every_rank"]
+__all__ = ["InitOp", "Replay", "ShapeReplay", "agree_generator", "is_meta_model", "materialize_device",
+           "replay_on_every_rank"]
 
 Slot = tuple[nn.Module, str, bool]
 """(module, attribute, is_buffer)."""
@@ -301,6 +302,23 @@ class Replay:
             yield from self.materialize(keys)
 
 
+class ShapeReplay(Replay):
+    """A replay that writes no values: every tensor materializes empty, in its built shape and
+    dtype, and no init op runs. For runs that need only shapes (``zerobridge plan`` runs the
+    engine on fake tensors); it draws nothing from the generator."""
+
+    def record(self) -> None:
+        """Nothing to record: no op runs."""
+        self.states = []
+        self.end_state = torch.empty(0, dtype=torch.uint8)
+
+    def materialize(self, keys: Iterable[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Empty tensors of the built shapes and dtypes of ``keys``."""
+        for key in dict.fromkeys(keys):
+            shape, dtype = self.built[key]
+            yield key, torch.empty(shape, dtype=dtype, device="cpu")
+
+
 _T = TypeVar("_T", bound=torch.Tensor)
 
 
@@ -353,7 +371,10 @@ def agree_generator(device: torch.device, group: dist.ProcessGroup | None = None
 def replay_on_every_rank(replay: Replay, device: torch.device) -> None:
     """Record the construction replay from rank 0's generator state on every rank
     (so every rank produces the same values); a rank whose own state differed gets
-    it back afterwards. Collective."""
+    it back afterwards. Collective. A ``ShapeReplay`` has nothing to agree on."""
+    if isinstance(replay, ShapeReplay):
+        replay.record()
+        return
     own = torch.get_rng_state()
     same = agree_generator(device)
     replay.record()

@@ -9,6 +9,11 @@
     >>> local_tensor(a) is a, storage_key(b) == storage_key(a)
     (True, True)
 
+Under fake tensors (``zerobridge plan`` runs the engine on ``FakeTensorMode``)
+no tensor holds values or an address: ``same_memory`` tells storages apart by
+identity there, and ``host_flags`` reads every parameter as used and no step
+as overflowed, the common case a plan is made for.
+
 A ``DTensor`` (torch FSDP2's parameters, gradients and optimizer state) counts
 by its local shard; a tensor whose storage was released (size 0) or that has
 none of its own (some wrapper subclasses) counts nothing.
@@ -20,7 +25,38 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["StorageCounter", "local_tensor", "storage_bytes", "storage_key"]
+__all__ = ["StorageCounter", "host_flags", "is_fake", "local_tensor", "same_memory", "storage_bytes", "storage_id",
+           "storage_key"]
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``FakeTensor`` (shapes and dtypes, no memory)."""
+    return type(local_tensor(tensor)).__name__ == "FakeTensor"  # by name: fake_tensor is a heavy private import
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same memory (a copy between them does nothing)."""
+    if is_fake(a) or is_fake(b):
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+    return a.data_ptr() == b.data_ptr()
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """What tells ``tensor``'s storage from every other live one: its address, or under fake
+    tensors (no addresses) the storage object's identity."""
+    storage = local_tensor(tensor).untyped_storage()
+    return int(storage._cdata) if is_fake(tensor) else int(storage.data_ptr())
+
+
+def host_flags(flags: torch.Tensor, *, nonfinite_last: bool) -> list[float]:
+    """``flags.tolist()``: the engine's one host read per step (used-parameter flags, then the
+    overflow flag when ``nonfinite_last``). Fake tensors read as all used, no overflow."""
+    if not is_fake(flags):
+        return [float(v) for v in flags.tolist()]
+    values = [1.0] * flags.numel()
+    if nonfinite_last and values:
+        values[-1] = 0.0
+    return values
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -33,9 +69,8 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(address, bytes)`` of the storage behind ``tensor``'s local part; ``None`` when it holds
     no memory (released, meta, or a wrapper without storage of its own)."""
     try:
-        storage = local_tensor(tensor).untyped_storage()
-        nbytes = storage.nbytes()
-        return (storage.data_ptr(), nbytes) if nbytes else None
+        nbytes = local_tensor(tensor).untyped_storage().nbytes()
+        return (storage_id(tensor), nbytes) if nbytes else None
     except (RuntimeError, NotImplementedError):
         return None
 

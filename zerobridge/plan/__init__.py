@@ -1,0 +1,24 @@
+"""``zerobridge plan``: which strategy fits, measured from the model itself before anything launches.
+
+    >>> from zerobridge.plan import plan
+    >>> result = plan("tiny-gpt", world_size=8, nodes=2, device_memory="40MiB", micro_batch=4, seq_len=32)
+    >>> result.recommended.name
+    'zero0'
+    >>> [r.name for r in result.rows][:4]
+    ['zero0', 'zero1', 'zero2', 'zero3']
+
+    zerobridge plan llama-3-70b --world-size 64 --nodes 8 --device-memory 80GiB --micro-batch 1 --seq-len 4096
+    zerobridge plan path/to/config.json --world-size 8 --device-memory 24GiB --to deepspeed -o ds.json
+
+The model (a built-in, a Hugging Face config.json, ``pkg.module:factory``) is
+built on the meta device; every candidate layout trains two steps on the
+native engine as one rank, on fake tensors and a fake process group, so a
+405B model plans on a laptop (``planner`` explains the figures; docs/plan.md
+has the measured accuracy).
+"""
+
+from __future__ import annotations
+
+from zerobridge.plan.planner import Plan, Row, plan
+
+__all__ = ["Plan", "Row", "plan"]

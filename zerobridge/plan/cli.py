@@ -1,0 +1,108 @@
+"""``zerobridge plan``: arguments, the table, ``--json`` and ``--to``.
+
+    zerobridge plan llama-3-70b --world-size 64 --nodes 8 --device-memory 80GiB --micro-batch 1 --seq-len 4096
+    zerobridge plan ./my-model --world-size 8 --device-memory 24GiB --seq-len 2048 --to deepspeed -o ds.json
+    zerobridge plan tiny-gpt:20m --world-size 2 --device-memory 1GiB --config ds.json --json
+
+Exit 0 when a candidate fits (its config written with ``--to``), 1 when none
+does (the message says what would), 2 on bad input. With ``--to`` and no
+``-o``, the config goes to stdout and the table to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from zerobridge.checkpoint.storage import atomic_write_file
+from zerobridge.errors import ConfigError
+from zerobridge.translate.formats import TARGETS, YAML_TARGETS, write
+from zerobridge.translate.run_level import with_run_settings
+
+__all__ = ["add_parser", "run"]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``plan`` on the top-level parser's subcommands."""
+    p = sub.add_parser(
+        "plan", help="which strategy fits a model on N ranks, measured on fake tensors",
+        description="Build MODEL on the meta device and train two steps of every candidate layout (ZeRO stages, "
+                    "hybrid and hpZ layouts across nodes, offload, activation checkpointing, your own configs) on "
+                    "fake tensors as one rank; print each one's device peak, host bytes and traffic per step, and "
+                    "the one to run. Exit 0 when one fits, 1 when none does, 2 on bad input.")
+    p.add_argument("model", metavar="MODEL",
+                   help="tiny-gpt[:20m|:100m], llama-3-8b, llama-3-70b, llama-3-405b, mixtral-8x7b, tiny-llama, a "
+                        "Hugging Face config.json or model directory (no weights read), or pkg.module:factory")
+    p.add_argument("--world-size", type=_positive, required=True, help="data-parallel ranks")
+    p.add_argument("--nodes", type=_positive, default=1, help="nodes the ranks are spread over (default 1)")
+    p.add_argument("--device-memory", required=True, help="accelerator memory per rank, e.g. 80GiB or 80GB")
+    p.add_argument("--host-memory", help="host memory per node, e.g. 1TiB (default: not checked)")
+    p.add_argument("--micro-batch", type=_positive, default=1, help="samples per rank per forward (default 1)")
+    p.add_argument("--seq-len", type=_positive, default=2048, help="tokens per sample (default 2048)")
+    p.add_argument("--accumulation", type=_positive, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16",
+                   help="compute dtype; 16-bit keeps fp32 master weights (default bf16)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--config", "--strategy", dest="own", nargs="+", default=[], metavar="CONFIG",
+                   help="your own config files or registry names, planned beside the candidates")
+    p.add_argument("--only-own", action="store_true", help="plan only --config/--strategy (and their +ac forms)")
+    p.add_argument("--to", choices=sorted(TARGETS), help="write the recommended strategy in this format")
+    p.add_argument("-o", "--output", type=Path, help="write the --to config here (atomically)")
+    p.add_argument("--json", action="store_true", help="the plan as JSON on stdout")
+
+
+def _written(value: object, target: str) -> str:
+    if target in YAML_TARGETS:
+        import yaml  # lazy: only YAML targets need it
+
+        return str(yaml.safe_dump(value, sort_keys=False))
+    return json.dumps(value, indent=2) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, print, write; the exit code."""
+    if args.output is not None and args.to is None:
+        raise ConfigError("-o writes the --to config, and no --to is given", key="-o",
+                          fix="add --to deepspeed (or another format), or drop -o")
+    if args.json and args.to is not None and args.output is None:
+        raise ConfigError("--json and --to both want stdout", key="--to", fix="add -o FILE for the config")
+    from zerobridge.plan.planner import plan  # lazy: torch, which registering the subcommand never needs
+    from zerobridge.plan.report import no_fit_message, render, to_json
+
+    result = plan(args.model, world_size=args.world_size, nodes=args.nodes, device_memory=args.device_memory,
+                  host_memory=args.host_memory, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                  accumulation=args.accumulation, precision=args.precision, optimizer=args.optimizer,
+                  strategies=args.own, only_own=args.only_own)
+    table_out = sys.stderr if args.to is not None and args.output is None else sys.stdout
+    if args.json:
+        print(json.dumps(to_json(result), indent=2))
+    else:
+        print(render(result), end="", file=table_out)
+    best = result.recommended
+    if not best.fits:
+        print(f"zerobridge: {no_fit_message(result)}", file=sys.stderr)
+        return 1
+    if args.to is not None:
+        sized = with_run_settings(best.spec, world_size=args.world_size)
+        written = write(sized.value, args.to)
+        for entry in written.report.warnings:
+            print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
+        text = _written(written.value, args.to)
+        if args.output is None:
+            sys.stdout.write(text)
+        else:
+            atomic_write_file(args.output, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+            print(f"zerobridge: wrote {best.name} as {args.to} to {args.output}", file=sys.stderr)
+    return 0

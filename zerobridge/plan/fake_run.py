@@ -1,0 +1,148 @@
+"""One candidate, run for real on fake tensors: the engine trains two steps as one rank of the world.
+
+    >>> import torch.distributed as dist
+    >>> from zerobridge.plan.fake_run import Run, run_once
+    >>> from zerobridge.plan.models import resolve_model
+    >>> from zerobridge.spec.presets import spec_for_stage
+    >>> source = resolve_model("tiny-gpt")
+    >>> run = Run(world_size=4, nodes=1, micro_batch=2, seq_len=16, accumulation=1)
+    >>> m = run_once(source, spec_for_stage(3, source.build()), run)
+    >>> m.model_states["params"] * 4 >= 118400 * 4, m.comm_bytes["all_gather"] > 0
+    (True, True)
+    >>> dist.destroy_process_group()
+
+The rank is rank 0 of a fake process group of ``world_size`` ranks
+(``init_process_group("fake")``: every collective returns at once, moving
+nothing) and every tensor is a ``FakeTensor`` (shapes, dtypes and storage
+sizes, no memory): so the native engine runs its real code (flat buffers,
+shards, gathers and frees, reduce buckets, the optimizer on its shard,
+activation checkpointing) at any model size, and a ``StorageTracker`` counts
+the bytes it holds after every operation. The engine's own accounting gives
+what lives on each tier (``engine.memory``) and what each collective moves
+(``engine.stats``: bus bytes, counted as a real run counts them).
+
+The first step creates the optimizer's state; the second is the steady state
+a long run repeats, and its collectives are the ones reported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zerobridge.backends.native.prepare import prepare
+from zerobridge.errors import ConfigError
+from zerobridge.plan.models import ModelSource
+from zerobridge.plan.tracker import StorageTracker
+from zerobridge.runtime.deferred_init import ShapeReplay
+from zerobridge.spec import StrategySpec
+
+__all__ = ["Measured", "Run", "fake_world", "run_once"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the plan is for: ranks, nodes, and one rank's batch."""
+
+    world_size: int
+    nodes: int
+    micro_batch: int
+    seq_len: int
+    accumulation: int = 1
+    optimizer: str = "adamw"
+    """``adamw`` (two fp32 moments per parameter) or ``sgd`` (one: momentum)."""
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on one node."""
+        return self.world_size // self.nodes
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one rank held and moved in a two-step fake run."""
+
+    peaks: dict[str, int]
+    """Highest live tensor bytes in each phase (``setup``, ``forward``, ``backward``, ``step``)."""
+    tiers: dict[str, int]
+    """Model-state bytes at rest by where they live (``device``, ``host``, ``nvme``), engine accounting."""
+    model_states: dict[str, int]
+    """Resident model-state bytes by role (``params``, ``grads``, ``optimizer``: master and moments)."""
+    comm_bytes: dict[str, int]
+    """Bus bytes one rank moves per optimizer step, by collective."""
+    comm_calls: dict[str, int]
+    """Collectives issued per optimizer step, by kind."""
+
+
+@contextmanager
+def fake_world(world_size: int, ranks_per_node: int) -> Iterator[None]:
+    """Rank 0 of a fake process group of ``world_size`` ranks, ``ranks_per_node`` to a node."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: torch's test tree, planning only
+
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        raise ConfigError("this process already has a process group, and a plan runs rank 0 of a fake one",
+                          key="world_size", fix="plan before init_process_group, or with workers=2 or more "
+                                                "(each candidate then runs in a fresh process)")
+    if dist.is_initialized() and dist.get_world_size() != world_size:
+        dist.destroy_process_group()
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
+def _optimizer(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def run_once(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None) -> Measured:
+    """Two training steps of ``spec`` on ``source`` (``layers`` deep when given) as rank 0 of
+    ``run``'s world, on fake tensors. ``ConfigError`` when the engine refuses the layout."""
+    model = source.build(layers)
+    device = torch.device("cpu")
+    with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
+            StorageTracker() as tracker:
+        model = prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=device)
+        optimizer = _optimizer([p for p in model.parameters() if p.requires_grad], run.optimizer)
+        engine = model._zerobridge_engine
+        vocab = max(source.vocab_size, 2)
+        for step in range(2):
+            if step == 1:
+                engine.stats.reset()
+            for _ in range(run.accumulation):
+                tokens = torch.randint(0, vocab, (run.micro_batch, run.seq_len))
+                tracker.phase = "forward"
+                loss = source.loss(model, tokens) / run.accumulation
+                tracker.phase = "backward"
+                loss.backward()
+                del loss, tokens
+            tracker.phase = "step"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        held = engine.memory()
+        stats = engine.stats
+        measured = Measured(
+            peaks=dict(tracker.peaks), tiers=dict(held["tier_bytes"]),
+            model_states={"params": held["param_bytes"], "grads": held["grad_bytes"],
+                          "optimizer": held["optimizer_bytes"]},
+            comm_bytes={k: int(v) for k, v in stats.bytes.items() if v},
+            comm_calls={k: int(v) for k, v in stats.calls.items() if v})
+    del model, optimizer, engine
+    if not measured.peaks:
+        raise ConfigError("the planning run allocated nothing", key="MODEL", fix="check the model's forward")
+    return measured

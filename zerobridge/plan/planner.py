@@ -1,0 +1,285 @@
+"""Which strategy fits: every candidate measured on fake tensors, ranked, one recommended.
+
+    >>> from zerobridge.plan import plan
+    >>> result = plan("tiny-gpt", world_size=4, device_memory="64MiB", micro_batch=2, seq_len=16)
+    >>> result.recommended.name, result.recommended.fits
+    ('zero0', True)
+    >>> row = result.row("zero3"); row.model_state_bytes == row.explanation.model_state_bytes
+    True
+
+For each candidate (``candidates``), the native engine trains two steps as
+rank 0 of the world on fake tensors (``fake_run``). A model deeper than
+``FULL_DEPTH`` blocks is measured at two shallower depths and every figure
+(each phase's peak, the bytes on each tier, the bytes each collective moves)
+extended along the line through them to the full depth: every figure but the
+peak is exactly linear in the depth of a stack of equal blocks; ``docs/plan.md``
+gives the measured error of the peak.
+
+Per rank:
+
+- **device peak**: the highest live tensor bytes of any phase, less what the
+  engine keeps on the host tier; with the optimizer offloaded, its step runs on
+  the host and counts there.
+- **host**: model states on the host tier (plus the offloaded step's working set).
+- **comm/step**: bus bytes per optimizer step (``explain``'s convention).
+- **model states**: ``explain``'s formula for the spec (the ZeRO paper's count).
+
+The recommendation: among the candidates that fit (device peak within
+``device_memory``; host bytes of a node's ranks within ``host_memory``, when
+given), the least communication, then the least offloaded, then no
+recomputation, then the smallest peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from zerobridge.errors import ConfigError
+from zerobridge.explain import Explanation, explain
+from zerobridge.load import load_spec
+from zerobridge.plan.candidates import Candidate, candidates
+from zerobridge.plan.fake_run import Measured, Run, run_once
+from zerobridge.plan.models import ModelSource, resolve_model
+from zerobridge.plan.sizes import parse_bytes
+from zerobridge.spec import OffloadDevice, StrategySpec
+from zerobridge.translate.run_level import with_run_settings
+
+__all__ = ["FULL_DEPTH", "SHALLOW", "Plan", "Row", "plan", "ranks_needed"]
+
+FULL_DEPTH = 12
+"""Models up to this many blocks are measured whole; deeper ones at ``SHALLOW`` depths."""
+SHALLOW = (5, 6)
+"""The two depths a deep model is measured at. Below about 5 blocks the peak of a checkpointed
+backward still grows faster than it does further on (a 70B Llama at stage 3: 1.17 GB per block
+from 3 to 5, 0.51 GB from 5 on), so the line is drawn from 5 and 6."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One candidate's measured cost per rank."""
+
+    name: str
+    spec: StrategySpec
+    device_peak: int
+    host_bytes: int
+    comm_bytes: int
+    comm_by_kind: dict[str, int]
+    model_state_bytes: int
+    explanation: Explanation
+    peaks: dict[str, int]
+    fits: bool
+    margin: int
+    """``device_memory - device_peak`` (negative: short by that much)."""
+    own: bool = False
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether anything lives on the host tier."""
+        o = self.spec.offload
+        return o.optimizer.device is not OffloadDevice.NONE or o.parameters.device is not OffloadDevice.NONE
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether activations are recomputed in backward."""
+        return self.spec.checkpoint.activation_checkpointing
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate's row, and the one to run."""
+
+    model: str
+    params: int
+    run: Run
+    precision: str
+    device_memory: int
+    host_memory: int | None
+    rows: tuple[Row, ...]
+    how: str
+    """How the figures were obtained (whole model, or extended from two depths)."""
+    notes: tuple[str, ...] = field(default=())
+
+    def row(self, name: str) -> Row:
+        """The row of candidate ``name``."""
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    @property
+    def recommended(self) -> Row:
+        """The candidate to run: the best of those that fit, else the one closest to fitting."""
+        fitting = [r for r in self.rows if r.fits]
+        if not fitting:
+            return max(self.rows, key=lambda r: r.margin)
+        return min(fitting, key=lambda r: (r.comm_bytes, r.host_bytes, r.recomputes, r.device_peak))
+
+
+def _extend(low: Measured, high: Measured, depths: tuple[int, int], full: int) -> Measured:
+    a, b = depths
+
+    def line(x: dict[str, int], y: dict[str, int]) -> dict[str, int]:
+        return {k: max(0, round(y.get(k, 0) + (y.get(k, 0) - x.get(k, 0)) * (full - b) / (b - a)))
+                for k in {*x, *y}}
+
+    return Measured(peaks=line(low.peaks, high.peaks), tiers=line(low.tiers, high.tiers),
+                    model_states=line(low.model_states, high.model_states),
+                    comm_bytes=line(low.comm_bytes, high.comm_bytes), comm_calls=line(low.comm_calls, high.comm_calls))
+
+
+def _measure(source: ModelSource, spec: StrategySpec, run: Run) -> Measured:
+    if source.layers is None or source.layers <= FULL_DEPTH:
+        return run_once(source, spec, run)
+    low, high = (run_once(source, spec, run, layers=d) for d in SHALLOW)
+    return _extend(low, high, SHALLOW, source.layers)
+
+
+def _measure_ref(ref: str, spec: StrategySpec, run: Run) -> Measured:
+    """``_measure`` in a worker process: the model named again there (a source does not pickle)."""
+    return _measure(resolve_model(ref), spec, run)
+
+
+def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], run: Run,
+                 workers: int) -> list[Measured]:
+    """Every spec measured; in ``workers`` fresh processes when the model is named by a string
+    (each process holds its own fake process group)."""
+    if workers <= 1 or not isinstance(model, (str, Path)) or len(specs) < 2:
+        return [_measure(source, spec, run) for spec in specs]
+    import multiprocessing  # lazy: only a parallel plan starts processes
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no process group or threads inherited
+    with ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=context) as pool:
+        return list(pool.map(_measure_ref, [str(model)] * len(specs), specs, [run] * len(specs)))
+
+
+def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, device_memory: int,
+         host_memory: int | None) -> Row:
+    spec = candidate.spec
+    host_states = measured.tiers.get("host", 0)
+    offloaded_step = spec.offload.optimizer.device is not OffloadDevice.NONE
+    # ``setup`` is left out: a meta model's values are drawn on the host, one module at a time.
+    phases = {k: v for k, v in measured.peaks.items() if k != "setup" and not (offloaded_step and k == "step")}
+    device_peak = max(phases.values(), default=0) - host_states
+    host = host_states
+    if offloaded_step and "step" in measured.peaks:
+        at_rest = measured.tiers.get("device", 0) + host_states
+        host += max(0, measured.peaks["step"] - at_rest)
+    explanation = explain(spec, params=params, world_size=run.world_size, local_world_size=run.ranks_per_node,
+                          optimizer="sgd" if run.optimizer == "sgd" else "adam")
+    fits = device_peak <= device_memory and (host_memory is None or host * run.ranks_per_node <= host_memory)
+    return Row(name=candidate.name, spec=spec, device_peak=device_peak, host_bytes=host,
+               comm_bytes=sum(measured.comm_bytes.values()), comm_by_kind=dict(measured.comm_bytes),
+               model_state_bytes=explanation.model_state_bytes, explanation=explanation,
+               peaks=dict(measured.peaks), fits=fits, margin=device_memory - device_peak, own=candidate.own)
+
+
+def _source(model: str | Path | ModelSource | nn.Module) -> ModelSource:
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, nn.Module):
+        template = model.to("meta") if all(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
+        return ModelSource(type(model).__name__, lambda depth: copy.deepcopy(template), None,
+                           int(vocab) if isinstance(vocab, int) else 2, None,
+                           hf=hasattr(model, "config") and hasattr(model, "post_init"))
+    return resolve_model(str(model))
+
+
+def _check_run(source: ModelSource, run: Run) -> None:
+    for name, value in (("world_size", run.world_size), ("nodes", run.nodes), ("micro_batch", run.micro_batch),
+                        ("seq_len", run.seq_len), ("accumulation", run.accumulation)):
+        if value < 1:
+            raise ConfigError(f"{name}={value}: must be at least 1", key=f"--{name.replace('_', '-')}")
+    if run.world_size % run.nodes:
+        raise ConfigError(f"--world-size {run.world_size} is not a multiple of --nodes {run.nodes}: the hybrid "
+                          "layouts shard inside a node and need the same ranks on every node", key="--nodes",
+                          fix=f"use a world size divisible by {run.nodes}, or --nodes that divides "
+                              f"{run.world_size}")
+    if source.max_seq_len is not None and run.seq_len > source.max_seq_len:
+        raise ConfigError(f"--seq-len {run.seq_len} is longer than {source.name}'s {source.max_seq_len} positions",
+                          key="--seq-len", fix=f"use at most {source.max_seq_len}")
+
+
+def _own(strategies: Sequence[str | Path | StrategySpec]) -> tuple[Candidate, ...]:
+    out = []
+    for item in strategies:
+        spec = item if isinstance(item, StrategySpec) else load_spec(item).value
+        if OffloadDevice.NVME in (spec.offload.optimizer.device, spec.offload.parameters.device):
+            raise ConfigError(f"{item}: NVMe tiers are not planned (the planning run writes no swap files)",
+                              key="offload", fix="plan its cpu form (offload device \"cpu\"): the device peak is "
+                                                 "the same, the host figure is then an upper bound")
+        name = spec.name or (Path(str(item)).stem if not isinstance(item, StrategySpec) else "own")
+        out.append(Candidate(name, spec, own=True))
+    return tuple(out)
+
+
+def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device_memory: int | str,
+         micro_batch: int = 1, seq_len: int = 2048, nodes: int = 1, host_memory: int | str | None = None,
+         precision: str = "bf16", accumulation: int = 1, optimizer: str = "adamw",
+         strategies: Sequence[str | Path | StrategySpec] = (), only_own: bool = False,
+         workers: int | None = None) -> Plan:
+    """Measure every candidate layout of ``model`` on ``world_size`` ranks over ``nodes`` nodes and
+    rank them (module docstring).
+
+    Args:
+        model: a built-in name, a Hugging Face config.json or model directory, ``pkg.module:factory``,
+            a ``ModelSource``, or an ``nn.Module`` (copied to the meta device).
+        device_memory: each rank's accelerator memory (bytes, or ``"80GiB"``, ``"80GB"``).
+        host_memory: each node's host memory (same forms); ``None``: not checked.
+        precision: ``fp32``, ``bf16`` or ``fp16`` compute (16-bit: fp32 master weights).
+        strategies: the user's own configs, registry names or specs, planned beside the candidates.
+        only_own: plan only ``strategies`` (and their ``+ac`` forms).
+        workers: processes measuring candidates side by side (default: the CPUs, at most 4; 1: this one).
+    """
+    source = _source(model)
+    device_bytes = parse_bytes(device_memory, key="--device-memory")
+    host_bytes = None if host_memory is None else parse_bytes(host_memory, key="--host-memory")
+    run = Run(world_size=world_size, nodes=nodes, micro_batch=micro_batch, seq_len=seq_len,
+              accumulation=accumulation, optimizer=optimizer)
+    _check_run(source, run)
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--precision {precision!r}", key="--precision", fix="use fp32, bf16 or fp16")
+    template = source.build(min(source.layers or 1, 2) if source.layers else None)
+    own = _own(strategies)
+    made = candidates(template, nodes=nodes, ranks_per_node=run.ranks_per_node, own=own)
+    chosen = [c for c in made if c.own or not only_own]
+    if not chosen:
+        raise ConfigError("--only-own without --config or --strategy: nothing to plan", key="--only-own",
+                          fix="name a config or strategy, or drop --only-own")
+    params = source.params
+    specs = [with_run_settings(c.spec, micro_batch=micro_batch, accumulation=accumulation,
+                               precision=precision).value.model_copy(update={"name": c.name}) for c in chosen]
+    count = min(os.cpu_count() or 1, 4) if workers is None else workers
+    measured = _measure_all(model, source, specs, run, count)
+    rows = [_row(Candidate(c.name, spec, c.own), m, params=params, run=run, device_memory=device_bytes,
+                 host_memory=host_bytes) for c, spec, m in zip(chosen, specs, measured)]
+    deep = source.layers is not None and source.layers > FULL_DEPTH
+    how = (f"measured at {SHALLOW[0]} and {SHALLOW[1]} of {source.layers} blocks, extended to {source.layers}"
+           if deep else "measured on the whole model")
+    return Plan(model=source.name, params=params, run=run, precision=precision, device_memory=device_bytes,
+                host_memory=host_bytes, rows=tuple(rows), how=how)
+
+
+def ranks_needed(row: Row, device_memory: int, run: Run) -> int | None:
+    """The smallest world size (a multiple of the ranks per node) at which ``row``'s layout fits,
+    with its model states scaled by ``explain``'s formula; ``None`` if none up to 65,536 ranks."""
+    other = row.device_peak - row.explanation.bytes_per_tier().get("accelerator", 0)
+    step = run.ranks_per_node
+    world = run.world_size
+    while world <= 65536:
+        world += step
+        try:
+            states = explain(row.spec, params=row.explanation.params, world_size=world,
+                             local_world_size=run.ranks_per_node).bytes_per_tier().get("accelerator", 0)
+        except ConfigError:
+            continue
+        if states + other <= device_memory:
+            return world
+    return None

@@ -1,0 +1,135 @@
+"""Live tensor bytes at every operation: the peak a run reaches, per phase, real or fake tensors alike.
+
+    >>> import torch
+    >>> from zerobridge.plan.tracker import StorageTracker
+    >>> with StorageTracker() as tracker:
+    ...     tracker.phase = "forward"
+    ...     a = torch.zeros(1024)                 # 4 KiB
+    ...     b = a * 2                             # 4 KiB more: 8 KiB live
+    ...     del b
+    ...     tracker.phase = "step"
+    ...     c = a[:10].clone()                    # 40 bytes
+    >>> tracker.peaks["forward"], tracker.peaks["step"], tracker.live
+    (8192, 4136, 4136)
+
+Every tensor an operation returns is looked at once: its storage is counted
+the first time it is seen (views and tied tensors share one), and uncounted
+when the storage is freed (a weak reference's callback). A storage grown or
+shrunk in place (``UntypedStorage.resize_``: the engine frees a gathered
+buffer, an offload tier releases its device copy) counts at its new size.
+Storages that existed before the tracker started are not counted unless
+``adopt`` is given them. Bytes are summed over every device: a planning run
+(``zerobridge.plan``) runs on one device, and the host tier's share is known
+exactly from the engine's accounting.
+
+torch's ``MemTracker`` counts the same way and adds a per-module breakdown;
+it is not used here because its module hooks refuse parameters that are not
+leaves (the engine's gathered compute views) and its per-operation
+bookkeeping costs about 4x the run's own time under fake tensors (measured on
+a 4-layer Llama: 2.2 s per step against 0.5 s), which a plan of 20 candidates
+cannot afford.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["PHASES", "StorageTracker"]
+
+PHASES = ("setup", "forward", "backward", "step")
+"""The phases a planning run names; ``peaks`` keys are whatever ``phase`` was set to."""
+
+
+class StorageTracker(TorchDispatchMode):
+    """Count live tensor-storage bytes as operations run; keep the peak of each phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        """Bytes of the counted storages alive now."""
+        self.phase = "setup"
+        """Where the run is; the peak of each value it takes is kept in ``peaks``."""
+        self.peaks: dict[str, int] = {}
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._resize: Callable[..., Any] | None = None
+
+    # ----------------------------------------------------------------- counting
+
+    def _key(self, storage: torch.UntypedStorage) -> int:
+        return int(storage._cdata)
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = self._key(storage)
+        if key in self._sizes:
+            return
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))  # type: ignore[misc]
+        self._add(nbytes)
+
+    def _freed(self, key: int) -> None:
+        nbytes = self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+        self.live -= nbytes
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        if self.live > self.peaks.get(self.phase, 0):
+            self.peaks[self.phase] = self.live
+
+    def adopt(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count storages created before the tracker started (once each)."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor.untyped_storage())
+
+    def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
+        key = self._key(storage)
+        if key in self._sizes:
+            self.live -= self._sizes[key]
+            self._sizes[key] = size
+            self._add(size)
+
+    # ----------------------------------------------------------------- the mode
+
+    def __enter__(self) -> StorageTracker:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            tracker._resized(storage, size)
+            return out
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        if self._resize is not None:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+            self._resize = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                try:
+                    self._count(value.untyped_storage())
+                except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+                    continue
+        return out
+
+    @property
+    def peak(self) -> int:
+        """The highest live bytes over every phase."""
+        return max(self.peaks.values(), default=0)
