@@ -201,14 +201,16 @@ def explain(
                           fix=f"use a world size that is a multiple of {n}, or a shard group that divides {world_size}")
     replicas = world_size // n
 
-    def dtype(name: str) -> DType:
+    def dtype(name: str, fallback: DType) -> DType:
         value = getattr(prec, name)
         if is_auto(value):
-            notes.append(f"precision.{name} is 'auto': counted as {auto_dtype.value}")
-            return auto_dtype
+            notes.append(f"precision.{name} is 'auto': counted as {fallback.value}")
+            return fallback
         return DType(value)
 
-    pdt, rdt, adt, mdt = dtype("param_dtype"), dtype("reduce_dtype"), dtype("accumulate_dtype"), prec.master_dtype
+    # 'auto' reduce and accumulation dtypes follow the compute dtype, as every engine resolves them
+    pdt = dtype("param_dtype", auto_dtype)
+    rdt, adt, mdt = dtype("reduce_dtype", pdt), dtype("accumulate_dtype", pdt), prec.master_dtype
     if mdt not in (DType.FP32, pdt):
         raise ConfigError(f"master_dtype={mdt.value} with param_dtype resolved to {pdt.value}",
                           key="precision.master_dtype", fix="use master_dtype fp32 or the compute dtype")

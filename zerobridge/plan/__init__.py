@@ -1,9 +1,9 @@
 """``zerobridge plan``: which strategy fits, measured from the model itself before anything launches.
 
     >>> from zerobridge.plan import plan
-    >>> result = plan("tiny-gpt", world_size=8, nodes=2, device_memory="40MiB", micro_batch=4, seq_len=32)
+    >>> result = plan("tiny-gpt", world_size=8, nodes=2, device_memory="40MiB", micro_batch=4, seq_len=32, workers=1)
     >>> result.recommended.name
-    'zero0'
+    'zero2'
     >>> [r.name for r in result.rows][:4]
     ['zero0', 'zero1', 'zero2', 'zero3']
 

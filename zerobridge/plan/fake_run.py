@@ -37,13 +37,14 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerobridge.backends.native.prepare import prepare
+from zerobridge.engine import Engine
 from zerobridge.errors import ConfigError
 from zerobridge.plan.models import ModelSource
 from zerobridge.plan.tracker import StorageTracker
-from zerobridge.runtime.deferred_init import ShapeReplay
+from zerobridge.runtime.deferred_init import Replay, ShapeReplay
 from zerobridge.spec import StrategySpec
 
-__all__ = ["Measured", "Run", "fake_world", "run_once"]
+__all__ = ["Measured", "Run", "fake_world", "run_once", "run_real"]
 
 
 @dataclass(frozen=True)
@@ -110,39 +111,50 @@ def _optimizer(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
+def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, run: Run, replay: Replay,
+               tracker: StorageTracker) -> Measured:
+    """Prepare ``model`` and train two steps of ``run``, counting in ``tracker`` (already entered)."""
+    prepare(model, None, spec, allow_approximate=False, replay=replay, device=torch.device("cpu"))  # in place
+    optimizer = _optimizer([p for p in model.parameters() if p.requires_grad], run.optimizer)
+    engine = model.__dict__["_zerobridge_engine"]
+    assert isinstance(engine, Engine)
+    vocab = max(source.vocab_size, 2)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(2):
+        if step == 1:
+            engine.stats.reset()
+        for _ in range(run.accumulation):
+            tokens = torch.randint(0, vocab, (run.micro_batch, run.seq_len), generator=generator)
+            tracker.phase = "forward"
+            loss = source.loss(model, tokens) / run.accumulation
+            tracker.phase = "backward"
+            loss.backward()
+            del loss, tokens
+        tracker.phase = "step"
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    held = engine.memory()
+    stats = engine.stats
+    return Measured(peaks=dict(tracker.peaks), tiers=dict(held["tier_bytes"]),
+                    model_states={"params": held["param_bytes"], "grads": held["grad_bytes"],
+                                  "optimizer": held["optimizer_bytes"]},
+                    comm_bytes={k: int(v) for k, v in stats.bytes.items() if v},
+                    comm_calls={k: int(v) for k, v in stats.calls.items() if v})
+
+
 def run_once(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None) -> Measured:
     """Two training steps of ``spec`` on ``source`` (``layers`` deep when given) as rank 0 of
     ``run``'s world, on fake tensors. ``ConfigError`` when the engine refuses the layout."""
     model = source.build(layers)
-    device = torch.device("cpu")
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
             StorageTracker() as tracker:
-        model = prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=device)
-        optimizer = _optimizer([p for p in model.parameters() if p.requires_grad], run.optimizer)
-        engine = model._zerobridge_engine
-        vocab = max(source.vocab_size, 2)
-        for step in range(2):
-            if step == 1:
-                engine.stats.reset()
-            for _ in range(run.accumulation):
-                tokens = torch.randint(0, vocab, (run.micro_batch, run.seq_len))
-                tracker.phase = "forward"
-                loss = source.loss(model, tokens) / run.accumulation
-                tracker.phase = "backward"
-                loss.backward()
-                del loss, tokens
-            tracker.phase = "step"
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        held = engine.memory()
-        stats = engine.stats
-        measured = Measured(
-            peaks=dict(tracker.peaks), tiers=dict(held["tier_bytes"]),
-            model_states={"params": held["param_bytes"], "grads": held["grad_bytes"],
-                          "optimizer": held["optimizer_bytes"]},
-            comm_bytes={k: int(v) for k, v in stats.bytes.items() if v},
-            comm_calls={k: int(v) for k, v in stats.calls.items() if v})
-    del model, optimizer, engine
-    if not measured.peaks:
-        raise ConfigError("the planning run allocated nothing", key="MODEL", fix="check the model's forward")
-    return measured
+        return _two_steps(source, model, spec, run, ShapeReplay(model), tracker)
+
+
+def run_real(source: ModelSource, spec: StrategySpec, run: Run) -> Measured:
+    """The same two steps on real tensors in the process group this rank is already in (every rank
+    calls it): the model's initial values replayed as an eager build would draw them. What a plan's
+    figures are checked against (``bench/plan.py``, ``tests/test_plan.py``)."""
+    model = source.build()
+    with StorageTracker() as tracker:
+        return _two_steps(source, model, spec, run, Replay(model), tracker)

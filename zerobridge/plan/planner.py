@@ -1,9 +1,9 @@
 """Which strategy fits: every candidate measured on fake tensors, ranked, one recommended.
 
     >>> from zerobridge.plan import plan
-    >>> result = plan("tiny-gpt", world_size=4, device_memory="64MiB", micro_batch=2, seq_len=16)
+    >>> result = plan("tiny-gpt", world_size=4, device_memory="64MiB", micro_batch=2, seq_len=16, workers=1)
     >>> result.recommended.name, result.recommended.fits
-    ('zero0', True)
+    ('zero2', True)
     >>> row = result.row("zero3"); row.model_state_bytes == row.explanation.model_state_bytes
     True
 

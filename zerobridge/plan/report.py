@@ -2,11 +2,11 @@
 
     >>> from zerobridge.plan import plan
     >>> from zerobridge.plan.report import render, to_json
-    >>> result = plan("tiny-gpt", world_size=2, device_memory="64MiB", micro_batch=2, seq_len=16)
+    >>> result = plan("tiny-gpt", world_size=2, device_memory="64MiB", micro_batch=2, seq_len=16, workers=1)
     >>> print(render(result).splitlines()[0])
     Plan for tiny-gpt (118,400 parameters) on 2 ranks = 1 node(s) x 2, micro-batch 2 x 16 tokens, bf16, adamw
     >>> to_json(result)["recommended"]
-    'zero0'
+    'zero2'
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class StorageTracker(TorchDispatchMode):
             return out
 
         self._resize = original
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         super().__enter__()
         return self
 
