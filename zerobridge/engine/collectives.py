@@ -36,7 +36,8 @@ from zerobridge.distributed import carries_host
 from zerobridge.runtime.comm_stats import CollectiveKind, CommStats
 from zerobridge.runtime.tensors import same_memory
 
-__all__ = ["Pending", "all_gather", "all_reduce", "broadcast", "broadcast_module", "flat_collective", "reduce_scatter"]
+__all__ = ["Pending", "all_gather", "all_reduce", "all_to_all", "broadcast", "broadcast_module", "flat_collective",
+           "reduce_scatter"]
 
 # kind -> (torch >= 2.13 name, the older name of the same collective)
 _FLAT_NAMES: dict[str, tuple[str, str]] = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
@@ -113,6 +114,21 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     ``output`` may alias this rank's slice of ``full`` (an in-place reduce).
     """
     return _flat("reduce_scatter", output, full, full, group, stats, async_op)
+
+
+def all_to_all(output: torch.Tensor, source: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats, *,
+               async_op: bool = False) -> Pending:
+    """Rank ``i`` sends ``source``'s ``j``-th equal piece to rank ``j``, which writes it as the
+    ``i``-th piece of its ``output`` (rank-major pieces)."""
+    size = _size(group)
+    if size == 1:
+        if not same_memory(source, output):
+            output.copy_(source)
+        return DONE
+    _check_host(source, group)
+    stats.record("all_to_all", source.numel() * source.element_size(), group_size=size)
+    work = dist.all_to_all_single(output, source, group=group, async_op=async_op)
+    return work if async_op else DONE
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats, *,

@@ -44,9 +44,10 @@ from zerobridge.engine.layout import BucketLayout, GroupLayout
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.swapfile import FileRegion, HostRegion, Region
 from zerobridge.engine.tiers import ON_DEVICE, Home, Placement, Spaces, place, placeholder, release, reserve
+from zerobridge.engine.wire import all_gather_encoded
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.wrap_units import ParamRef
-from zerobridge.spec import ParamSharding
+from zerobridge.spec import ParamSharding, WireFormat
 
 __all__ = ["FlatGroup", "GroupPlan", "ParamRef"]
 
@@ -74,6 +75,12 @@ class GroupPlan:
     gathered_copy: bool = False
     """FSDP's layout: the shard holds master-dtype values (it is the master) and the
     compute copy is cast from it at each gather (``precision.compute_copy``)."""
+    param_wire: WireFormat = WireFormat.FULL
+    """How the shard travels in the parameter all-gathers (``communication.wire.param_gather``)."""
+    grad_wire: WireFormat = WireFormat.FULL
+    """How gradients travel in the reduce-scatter (``communication.wire.grad_reduce``)."""
+    wire_block: int = 2048
+    """Elements per scale block of the int wire formats."""
 
     @property
     def shard_dtype(self) -> torch.dtype:
@@ -225,6 +232,12 @@ class FlatGroup:
             if self.away is not None:  # read the shard in; it is let go once gathered
                 reserve(self.shard)
                 self.away.read(0, self.shard)
+            if self.plan.param_wire is not WireFormat.FULL and self.layout.shards > 1:
+                # quantized on the wire: encoded from the shard as it is, decoded into the compute dtype
+                self._gather = all_gather_encoded(self.full, self.shard, self.plan.param_wire, self.plan.wire_block,
+                                                  self.mesh.gather, self.stats, async_op=async_op)
+                self.state = GatherState.GATHERING
+                return
             source = self.shard if self.shard.dtype == self.full.dtype or self.layout.shards == 1 else \
                 self.shard.to(self.full.dtype)  # the gathered layout's cast, freed once gathered
             self._gather = collectives.all_gather(self.full, source, self.mesh.gather, self.stats, async_op=async_op)

@@ -59,7 +59,8 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
                      reduce_dtype=plan.reduce_dtype, accumulate_dtype=plan.accumulate_dtype,
                      keep_secondary=plan.secondary_size < plan.shard_size, separate_master=separate,
                      master_at=master_at, shard_at=shard_at, pin_memory=offload.pin_memory,
-                     gathered_copy=gathered)
+                     gathered_copy=gathered, param_wire=plan.wire.param_gather,
+                     grad_wire=plan.wire.grad_reduce, wire_block=plan.wire.block_size)
 
 
 def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: EnginePlan, mesh: Mesh,

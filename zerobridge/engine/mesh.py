@@ -57,6 +57,12 @@ class Mesh:
     """Backward all-gathers of the secondary shard (hpZ)."""
     control: dist.ProcessGroup | None
     """Small all-reduces over every rank: used parameters, overflow flags."""
+    node_size: int = 0
+    """Ranks of the shard group on one node, when the quantized reduction runs in two hops (0: one hop)."""
+    reduce_node: dist.ProcessGroup | None = None
+    """The shard group's ranks on this node (first hop of a quantized reduction)."""
+    reduce_cross: dist.ProcessGroup | None = None
+    """The shard group's ranks at this rank's position on every node (second hop)."""
 
     @property
     def replicas(self) -> int:
@@ -77,8 +83,10 @@ def _subgroup(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup | Non
     return mine
 
 
-def build_mesh(*, shard_size: int, secondary_size: int) -> Mesh:
-    """The groups for shard groups of ``shard_size`` and hpZ groups of ``secondary_size``.
+def build_mesh(*, shard_size: int, secondary_size: int, node_size: int = 0) -> Mesh:
+    """The groups for shard groups of ``shard_size`` and hpZ groups of ``secondary_size``;
+    ``node_size``: the ranks per node, when a quantized reduction should run in two hops (only
+    where a shard group spans several whole nodes).
 
     Collective: every rank of the default group must call it with the same sizes.
     """
@@ -90,6 +98,14 @@ def build_mesh(*, shard_size: int, secondary_size: int) -> Mesh:
     replicate = _subgroup(replicas, rank)
     secondary = _subgroup(secondaries, rank) if secondary_size != shard_size else gather
     control = _subgroup([list(range(world))], rank)
+    reduce_node = reduce_cross = None
+    two_hop = 1 < node_size < shard_size and shard_size % node_size == 0
+    if two_hop:
+        reduce_node = _subgroup(layout_ranks(world_size=world, shard_size=node_size)[0], rank)
+        cross = [[s + k * node_size + pos for k in range(shard_size // node_size)]
+                 for s in range(0, world, shard_size) for pos in range(node_size)]
+        reduce_cross = _subgroup(cross, rank)
     return Mesh(world_size=world, rank=rank, shard_size=shard_size, shard_rank=rank % shard_size,
                 gather=gather, reduce=reduce, replicate=replicate, secondary_size=secondary_size,
-                secondary_rank=rank % secondary_size, secondary=secondary, control=control)
+                secondary_rank=rank % secondary_size, secondary=secondary, control=control,
+                node_size=node_size if two_hop else 0, reduce_node=reduce_node, reduce_cross=reduce_cross)

@@ -23,7 +23,7 @@ from torch import nn
 from zerobridge.engine.tiers import OffloadPlan, check_offload, plan_offload
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.plan import RunPlan, hidden_size, plan_run, run_fields
-from zerobridge.spec import BackwardPrefetch, GroupSize, ParamSharding, StrategySpec, is_auto
+from zerobridge.spec import BackwardPrefetch, GroupSize, ParamSharding, StrategySpec, WireSpec, is_auto
 
 __all__ = ["EnginePlan", "check_runnable", "plan_engine"]
 
@@ -54,6 +54,8 @@ class EnginePlan(RunPlan):
     max_live_parameters: int | None
     max_reuse_distance: int | None
     offload: OffloadPlan = OffloadPlan()
+    wire: WireSpec = WireSpec()
+    """How payloads travel (``communication.wire``)."""
     """Where master values, optimizer state and parameter shards live (``tiers.py``)."""
 
     @property
@@ -135,4 +137,4 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
         overlap_reduce=comm.overlap_reduce, forward_prefetch=comm.forward_prefetch,
         backward_prefetch=comm.backward_prefetch,
         max_inflight_gathers=comm.max_inflight_gathers, max_live_parameters=comm.max_live_parameters,
-        max_reuse_distance=comm.max_reuse_distance, offload=offload)
+        max_reuse_distance=comm.max_reuse_distance, offload=offload, wire=comm.wire)

@@ -27,7 +27,9 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.streams import Role, Streams
+from zerobridge.engine.wire import reduce_scatter_encoded
 from zerobridge.runtime.tensors import same_memory
+from zerobridge.spec import WireFormat
 
 __all__ = ["MAX_INFLIGHT_REDUCTIONS", "Reduction", "ReductionQueue", "reduce_bucket"]
 
@@ -75,6 +77,9 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
         y = x[r * bucket.piece:(r + 1) * bucket.piece]
         if layout.shards == 1:  # stage 0: one all-reduce over the replicas
             work = collectives.all_reduce(y, mesh.replicate, group.stats, async_op=in_flight)
+        elif plan.grad_wire is not WireFormat.FULL:  # quantized: all-to-alls summed in fp32 (engine/wire.py)
+            work = reduce_scatter_encoded(y, x, plan.grad_wire, plan.wire_block, mesh.reduce, group.stats,
+                                          node=mesh.reduce_node, cross=mesh.reduce_cross, node_size=mesh.node_size)
         else:
             work = collectives.reduce_scatter(y, x, mesh.reduce, group.stats, async_op=in_flight)
         scattered = streams.mark("reduce")

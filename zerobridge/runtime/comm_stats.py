@@ -16,7 +16,8 @@
 
 Bytes follow the bus-volume convention (per rank): an all-reduce of ``n``
 bytes over ``G`` ranks moves ``2n(G-1)/G``; a reduce-scatter of an ``n``-byte
-input, or an all-gather of an ``n``-byte output, moves ``n(G-1)/G``.
+input, an all-gather of an ``n``-byte output, or an all-to-all sending ``n``
+bytes (a quantized reduction, ``engine/wire.py``) moves ``n(G-1)/G``.
 
 The native engine records each collective it issues itself
 (``engine/collectives.py``). A foreign engine (torch FSDP2, DeepSpeed) is
@@ -43,8 +44,9 @@ import torch.distributed.distributed_c10d as c10d
 
 __all__ = ["CollectiveKind", "CommStats", "bus_bytes", "count_into", "counted", "install", "stop_counting"]
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
-_BUS_FACTOR: dict[str, float] = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0}
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"]
+_BUS_FACTOR: dict[str, float] = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0,
+                                 "all_to_all": 1.0}
 
 
 @dataclass(eq=False)
@@ -82,6 +84,7 @@ _FUNCTIONS: dict[str, tuple[CollectiveKind, int, str, int]] = {
     "reduce_scatter_single": ("reduce_scatter", 1, "input", 3),
     "all_gather": ("all_gather", 0, "tensor_list", 2),
     "reduce_scatter": ("reduce_scatter", 1, "input_list", 3),
+    "all_to_all_single": ("all_to_all", 1, "input", 4),
 }
 _ACTIVE: weakref.WeakSet[CommStats] = weakref.WeakSet()
 _INSTALLED = False

@@ -15,6 +15,7 @@ from zerobridge.spec.precision import DynamicLossScale, LossScaling, NoLossScale
 from zerobridge.spec.sharding import GroupSize, ShardingSpec
 from zerobridge.spec.stage import STAGE_SHARDS, ParamSharding, Stage, StageShards
 from zerobridge.spec.strategy import StrategySpec
+from zerobridge.spec.wire import WireFormat, WireSpec
 from zerobridge.spec.wrapping import EveryModuleWrap, RootWrap, SizeWrap, TransformerWrap, WrapSpec
 
 __all__ = [
@@ -24,5 +25,5 @@ __all__ = [
     "LossScaling", "NoLossScale", "OffloadDevice", "OffloadSpec", "OffloadTier", "OptimizerOffload",
     "ParamOffload", "ParamSharding", "PrecisionSpec", "RootWrap", "STAGE_SHARDS", "ShardingSpec",
     "SizeWrap", "SpecModel", "Stage", "StageShards", "StaticLossScale", "StrategySpec",
-    "TransformerWrap", "WrapSpec", "is_auto",
+    "TransformerWrap", "WireFormat", "WireSpec", "WrapSpec", "is_auto",
 ]

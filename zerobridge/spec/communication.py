@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from zerobridge.spec.base import Auto, SpecModel
+from zerobridge.spec.wire import WireSpec
 
 __all__ = ["BackwardPrefetch", "Bucket", "CommunicationSpec"]
 
@@ -67,3 +68,5 @@ class CommunicationSpec(SpecModel):
     model_persistence_threshold: int | None = Field(default=None, ge=0)
     """Most elements kept resident in total by the rule above; ``None``: no
     bound."""
+    wire: WireSpec = WireSpec()
+    """Which payloads are quantized on the wire (ZeRO++ qwZ/qgZ, float8 all-gather): ``spec/wire.py``."""

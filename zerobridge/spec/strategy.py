@@ -22,6 +22,7 @@ from zerobridge.spec.compilation import CompileSpec
 from zerobridge.spec.offload import OffloadDevice, OffloadSpec
 from zerobridge.spec.precision import PrecisionSpec
 from zerobridge.spec.sharding import ShardingSpec
+from zerobridge.spec.wire import WireFormat
 from zerobridge.spec.wrapping import RootWrap, WrapSpec
 
 __all__ = ["StrategySpec"]
@@ -74,6 +75,21 @@ class StrategySpec(SpecModel):
             )
         if offload.optimizer.device is OffloadDevice.NONE and offload.optimizer.ratio < 1.0:
             raise ValueError("offload.optimizer.ratio < 1 needs offload.optimizer.device 'cpu' or 'nvme'")
+        wire = self.communication.wire
+        if wire.param_gather is not WireFormat.FULL and not sharding.parameters.sharded_at_rest:
+            raise ValueError(
+                f"communication.wire.param_gather={wire.param_gather.value!r} quantizes the all-gathers of "
+                "parameters sharded at rest, and this stage keeps them whole (ZeRO-0/1/2 gather nothing before "
+                "compute): use ZeRO-3 (sharding.parameters='reshard_after_forward'), or param_gather 'full'")
+        if wire.frozen_weights is not WireFormat.FULL and not sharding.parameters.sharded_at_rest:
+            raise ValueError(
+                f"communication.wire.frozen_weights={wire.frozen_weights.value!r} stores frozen shards quantized "
+                "and decodes them at each gather: it needs ZeRO-3, or frozen_weights 'full'")
+        if wire.grad_reduce is not WireFormat.FULL and not sharding.gradients:
+            raise ValueError(
+                f"communication.wire.grad_reduce={wire.grad_reduce.value!r} quantizes the gradient "
+                "reduce-scatter, and this stage all-reduces whole gradients: use ZeRO-2 or 3 "
+                "(sharding.gradients=true), or grad_reduce 'full'")
         return self
 
     @property

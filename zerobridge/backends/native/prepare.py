@@ -34,7 +34,7 @@ from zerobridge.engine.mesh import build_mesh
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.compile import apply_compile
 from zerobridge.runtime.deferred_init import Replay
-from zerobridge.spec import StrategySpec
+from zerobridge.spec import StrategySpec, WireFormat
 
 __all__ = ["ZeroModule", "prepare", "refuse_moving"]
 
@@ -91,7 +91,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     check_fresh(model, optimizer)
     world, local = start_run(model, replay, device)
     plan = plan_engine(spec, model, world_size=world, local_world_size=local, device=device)
-    mesh = build_mesh(shard_size=plan.shard_size, secondary_size=plan.secondary_size)
+    two_hop = plan.wire.grad_reduce is not WireFormat.FULL  # a quantized reduction crosses nodes in two hops
+    mesh = build_mesh(shard_size=plan.shard_size, secondary_size=plan.secondary_size,
+                      node_size=local if two_hop else 0)
     engine = Engine(model, plan, mesh, device)
     if replay is not None:
         materialize_engine(engine, replay)
