@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import DType, GradSync, OffloadDevice, ParamSharding, StrategySpec, is_auto
+from zerobridge.spec import DType, GradSync, OffloadDevice, ParamSharding, StrategySpec, WireFormat, is_auto
+from zerobridge.spec.wire import wire_bytes
 
 __all__ = ["CommRow", "Explanation", "StateRow", "explain", "format_bytes"]
 
 Tier = Literal["accelerator", "cpu", "nvme"]
-Collective = Literal["all-reduce", "reduce-scatter", "all-gather"]
+Collective = Literal["all-reduce", "reduce-scatter", "all-gather", "all-to-all"]
 TIERS: dict[OffloadDevice, Tier] = {
     OffloadDevice.NONE: "accelerator", OffloadDevice.CPU: "cpu", OffloadDevice.NVME: "nvme"}
 MOMENTS = {"adam": 2, "sgd": 1}
@@ -287,11 +288,26 @@ def explain(
     def coll(kind: Collective, purpose: str, group: int, payload: int, count: int) -> None:
         comms.append(CommRow(kind, purpose, group, payload, _bus(kind, payload, group), count))
 
+    wire = spec.communication.wire
     grad_count = micro if spec.batch.grad_sync is GradSync.EVERY_MICRO_STEP else 1
     if not s.optimizer_state:
         coll("all-reduce", "gradients", world_size, params * rdt.num_bytes, grad_count)
         if n != world_size:
             notes.append("nothing is sharded: the shard group is ignored and gradients are all-reduced over the world")
+    elif wire.grad_reduce is not WireFormat.FULL and n > 1:
+        fmt, block = wire.grad_reduce, wire.block_size
+        if 1 < local < n and n % local == 0:  # two hops: inside the node, then between nodes
+            nodes = n // local
+            coll("all-to-all", f"gradients inside the node ({fmt.value})", local,
+                 local * wire_bytes(fmt, nodes * shard, block), grad_count)
+            coll("all-to-all", f"gradients across nodes ({fmt.value})", nodes,
+                 nodes * wire_bytes(fmt, shard, block), grad_count)
+        else:
+            coll("all-to-all", f"gradients ({fmt.value})", n, n * wire_bytes(fmt, shard, block), grad_count)
+        notes.append(f"gradients travel as {fmt.value} in all-to-alls and are summed in fp32 on the owner; "
+                     "scales are per block of each piece")
+        if replicas > 1:
+            coll("all-reduce", "gradient shard across replicas", replicas, shard * rdt.num_bytes, grad_count)
     else:
         coll("reduce-scatter", "gradients", n, shard * n * rdt.num_bytes, grad_count)
         if not s.gradients:
@@ -299,6 +315,11 @@ def explain(
         if replicas > 1:
             coll("all-reduce", "gradient shard across replicas", replicas, shard * rdt.num_bytes, grad_count)
     full_param = shard * n * pdt.num_bytes
+    gather_wire = wire.param_gather if n > 1 else WireFormat.FULL
+    if gather_wire is not WireFormat.FULL:
+        full_param = n * wire_bytes(gather_wire, shard, wire.block_size)
+        notes.append(f"parameter all-gathers carry {gather_wire.value} codes and scales; every rank decodes them "
+                     f"into {pdt.value}")
     if s.parameters is ParamSharding.REPLICATED and s.optimizer_state:
         coll("all-gather", "updated parameters after step", n, full_param, 1)
     elif s.parameters is ParamSharding.RESHARD_AFTER_BACKWARD:
@@ -309,6 +330,8 @@ def explain(
             coll("all-gather", "parameters for backward", n, full_param, micro)
         else:
             coll("all-gather", "parameters for backward (hpZ)", k, _ceil_div(params, k) * k * pdt.num_bytes, micro)
+            if gather_wire is not WireFormat.FULL:
+                notes.append("hpZ: the backward gathers inside the group carry the secondary shard in full precision")
 
     return Explanation(
         summary=spec.summary(), params=params, world_size=world_size, shard_group_size=n, replicas=replicas,

@@ -4,6 +4,9 @@
     >>> qwz = WireSpec(param_gather=WireFormat.INT8)             # DeepSpeed ZeRO++ qwZ
     >>> qwz.quantized, qwz.param_gather.bytes_per_element
     (True, 1.0)
+    >>> from zerobridge.spec.wire import wire_bytes
+    >>> [wire_bytes(f, 4096, 2048) for f in (WireFormat.INT8, WireFormat.INT4, WireFormat.FP8)]
+    [4104, 2056, 4100]
     >>> WireSpec(param_gather="int4")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -42,7 +45,7 @@ from pydantic import Field, model_validator
 
 from zerobridge.spec.base import SpecModel
 
-__all__ = ["WireFormat", "WireSpec"]
+__all__ = ["WireFormat", "WireSpec", "wire_bytes"]
 
 
 class WireFormat(StrEnum):
@@ -61,6 +64,19 @@ class WireFormat(StrEnum):
     def bytes_per_element(self) -> float | None:
         """Bytes a value takes on the wire, scales aside; ``None`` for ``full`` (the dtype's own)."""
         return {WireFormat.FULL: None, WireFormat.INT8: 1.0, WireFormat.INT4: 0.5, WireFormat.FP8: 1.0}[self]
+
+
+def wire_bytes(fmt: WireFormat, numel: int, block_size: int) -> int:
+    """Bytes one piece of ``numel`` elements takes on the wire in ``fmt`` (not ``full``): the
+    packed values (int8 and fp8 one byte each, int4 two to a byte), then the fp32 scales (one per
+    ``block_size`` elements; fp8 one per piece). ``runtime/wire_codecs.py`` lays pieces out so."""
+    if fmt is WireFormat.FULL:
+        raise ValueError("'full' travels in the collective's own dtype: its bytes are numel x the dtype's size")
+    if fmt is WireFormat.FP8:
+        return numel + 4
+    blocks = -(-numel // block_size)
+    values = numel if fmt is WireFormat.INT8 else -(-numel // 2)
+    return values + 4 * blocks
 
 
 class WireSpec(SpecModel):
