@@ -141,8 +141,16 @@ def test_unknown_parallelism_key_and_bad_values() -> None:
     assert carried.value.passthrough["torchtitan"] == {"training": {"my_new_knob": 3}, "brand_new": {"x": 1}}
 
 
-def test_float8_all_gather_is_reported() -> None:
+def test_float8_all_gather_is_the_fp8_wire_format_in_both_sections() -> None:
     t = read("[float8]\nenable_fsdp_float8_all_gather = true\n")
-    assert t.report.find("float8.enable_fsdp_float8_all_gather").status is Status.NOT_EXPRESSIBLE
+    assert t.report.find("float8.enable_fsdp_float8_all_gather").status is Status.EXACT
+    assert t.value.communication.wire.param_gather.value == "fp8"
+    new = read("[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\nrecipe_name = \"rowwise\"\n")
+    assert new.value.communication.wire.param_gather.value == "fp8"
+    assert new.value.passthrough["torchtitan"]["quantize"] == {"linear": {"float8": {"recipe_name": "rowwise"}}}
     off = read("[float8]\nenable_fsdp_float8_all_gather = false\n")
     assert off.report.find("float8.enable_fsdp_float8_all_gather").status is Status.EXACT
+    assert off.value.communication.wire.param_gather.value == "full"
+    ddp = read("[parallelism]\ndata_parallel_shard_degree = 1\n[float8]\nenable_fsdp_float8_all_gather = true\n")
+    assert ddp.report.find("float8.enable_fsdp_float8_all_gather").status is Status.IGNORED
+    assert ddp.value.communication.wire.param_gather.value == "full"

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import AUTO, DType, Stage, StrategySpec, is_auto
+from zerobridge.spec import AUTO, DType, Stage, StrategySpec, WireFormat, is_auto
 from zerobridge.translate.accelerate_common import FORMAT, D, P, call_reader, carry_machines, launcher_prefix
 from zerobridge.translate.accelerate_fsdp import read_fsdp_plugin
 from zerobridge.translate.compilation import read_dynamo
@@ -91,6 +91,16 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
         if _SECTIONS.get(kind) != section:
             for path in [p for p in keys.values if p.startswith(section + ".")]:
                 keys.note(path, Status.IGNORED, f"distributed_type is {kind}: Accelerate does not read {section}")
+    fp8 = keys.carried.get("fp8_config")
+    if mixed == "fp8" and isinstance(fp8, dict) and str(fp8.get("enable_fsdp_float8_all_gather")).lower() == "true":
+        if kind == "FSDP" and spec.sharding.parameters.sharded_at_rest:
+            spec = update_spec(spec, {"communication.wire.param_gather": WireFormat.FP8}, source=located.source)
+            report.add("fp8_config.enable_fsdp_float8_all_gather", Status.EXACT, "float8 e4m3 parameter "
+                       "all-gathers through torchao, one scale per tensor (the fp8 matmuls are reported with "
+                       "mixed_precision)", target="communication.wire.param_gather")
+        else:
+            report.add("fp8_config.enable_fsdp_float8_all_gather", Status.IGNORED, "takes effect only when FSDP "
+                       "shards the parameters: nothing is gathered here", target="communication.wire.param_gather")
     compiled = read_dynamo(keys, deepspeed=kind == "DEEPSPEED")
     if compiled is not None:
         spec = update_spec(spec, {"compile": compiled}, source=located.source)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerobridge.errors import ConfigError
-from zerobridge.spec import DType, SizeWrap, StrategySpec, is_auto
+from zerobridge.spec import DType, SizeWrap, StrategySpec, WireFormat, is_auto
 from zerobridge.translate.accelerate_common import FORMAT, D, F
 from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.carried import report_carried
@@ -123,6 +123,13 @@ def write_accelerate_fsdp(spec: StrategySpec, *, fsdp_version: int = 2) -> Trans
                        "instead of shards plus a 16-bit copy", target=F + "fsdp_state_dict_type")
     fsdp["fsdp_activation_checkpointing"] = spec.checkpoint.activation_checkpointing
     out["fsdp_config"] = fsdp
+    if spec.communication.wire.param_gather is WireFormat.FP8 and s.parameters.sharded_at_rest \
+            and out.get("mixed_precision") == "bf16":
+        out["mixed_precision"] = "fp8"
+        out["fp8_config"] = {"backend": "AO", **out.get("fp8_config", {}), "enable_fsdp_float8_all_gather": True}
+        report.add("communication.wire.param_gather", Status.APPROXIMATED, "fp8: Accelerate gathers float8 weights "
+                   "only under mixed_precision fp8, which also runs the linear layers' matmuls in fp8 (torchao)",
+                   target="fp8_config.enable_fsdp_float8_all_gather")
     return _checked(spec, out, report, "")
 
 

@@ -35,6 +35,7 @@ from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import as_dtype
+from zerobridge.translate.wire import read_deepspeed_wire
 
 __all__ = ["read_deepspeed"]
 
@@ -274,6 +275,9 @@ def _communication(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
     prefetching = stage is Stage.PARAMETERS and fields.get("prefetch_bucket") != 0
     fields["forward_prefetch"] = prefetching
     fields["backward_prefetch"] = "before_grad" if prefetching or stage is not Stage.PARAMETERS else "none"
+    wire = read_deepspeed_wire(keys, stage)
+    if wire:
+        fields["wire"] = wire
     return fields
 
 

@@ -37,6 +37,7 @@ from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
+from zerobridge.translate.wire import write_deepspeed_wire
 
 __all__ = ["write_deepspeed"]
 
@@ -51,6 +52,7 @@ def write_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]]:
     _groups(spec, stage, zero, report)
     _offload(spec, stage, zero, report)
     _communication(spec, stage, zero, report)
+    write_deepspeed_wire(spec, stage, zero, report)
     _wrapping(spec, stage, zero, report)
     out: dict[str, Any] = {}
     _batch(spec, stage, out, report)

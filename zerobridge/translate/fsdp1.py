@@ -68,6 +68,7 @@ from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import name_in_torch
+from zerobridge.translate.wire import report_no_wire_form
 
 __all__ = ["read_fsdp1", "write_fsdp1"]
 
@@ -233,6 +234,7 @@ def write_fsdp1(spec: StrategySpec) -> Translation[dict[str, Any]]:
     if isinstance(spec.wrapping, RootWrap) and out["sharding_strategy"] in HYBRID and out["device_mesh"] is None:
         report.add("wrapping", Status.APPROXIMATED, "FSDP1 rejects a hybrid strategy with neither an "
                    "auto_wrap_policy nor a device_mesh: give one", target="auto_wrap_policy")
+    report_no_wire_form(spec, report, "FSDP1 kwargs", {})
     report_carried(spec, report, own=FMT, target="FSDP1 kwargs", trainer=True)
     return Translation({key: out[key] for key in ORDER if key in out}, report)
 

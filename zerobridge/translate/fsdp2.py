@@ -36,6 +36,7 @@ from zerobridge.spec import (
     PrecisionSpec,
     ShardingSpec,
     StrategySpec,
+    WireFormat,
 )
 from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import no_compile_form
@@ -67,6 +68,7 @@ from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
 from zerobridge.translate.values import name_in_torch
+from zerobridge.translate.wire import TORCHAO_RECIPE, report_no_wire_form
 
 __all__ = ["read_fsdp2", "write_fsdp2"]
 
@@ -197,6 +199,7 @@ def write_fsdp2(spec: StrategySpec) -> Translation[dict[str, Any]]:
     loop["full_state_dict"] = checkpoint_format(spec, report, target="training_loop.full_state_dict") is \
         CheckpointFormat.FULL
     out["training_loop"] = loop
+    report_no_wire_form(spec, report, "FSDP2 kwargs", {WireFormat.FP8: TORCHAO_RECIPE})
     report_carried(spec, report, own=FMT, target="FSDP2 kwargs", trainer=True)
     return Translation(out, report)
 

@@ -76,7 +76,7 @@ class Impact(StrEnum):
 IMPACTS: dict[str, Impact] = {
     "sharding": Impact.MEMORY, "sharding.world_size": Impact.NUMBERS,
     "offload": Impact.MEMORY, "wrapping": Impact.MEMORY,
-    "communication": Impact.SPEED, "compile": Impact.SPEED,
+    "communication": Impact.SPEED, "communication.wire": Impact.NUMBERS, "compile": Impact.SPEED,
     "precision": Impact.NUMBERS, "precision.compute_copy": Impact.MEMORY,
     "batch": Impact.NUMBERS, "batch.grad_sync": Impact.MEMORY,
     "checkpoint": Impact.NUMBERS, "checkpoint.activation_checkpointing": Impact.MEMORY,

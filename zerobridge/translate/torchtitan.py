@@ -29,13 +29,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerobridge.spec import DType, StrategySpec
+from zerobridge.spec import DType, StrategySpec, WireFormat
 from zerobridge.translate.compilation import read_torchtitan_compile
 from zerobridge.translate.fsdp2 import read_fsdp2
 from zerobridge.translate.keys import SourceKeys, chain_report, update_spec
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located
+from zerobridge.translate.wire import read_float8_gather
 
 __all__ = ["read_torchtitan"]
 
@@ -107,6 +108,10 @@ def read_torchtitan(located: Located, *, world_size: int | None = None) -> Trans
                           pp > 1)
     else:
         spec = _read_ddp(keys, replicate, param, micro, global_batch, accumulation, mode != "none")
+    gathers = [read_float8_gather(keys, path, sharded=fsdp, consumer="torchtitan") for path in (
+        "float8.enable_fsdp_float8_all_gather", "quantize.linear.float8.enable_fsdp_float8_all_gather")]
+    if WireFormat.FP8 in gathers:
+        spec = update_spec(spec, {"communication.wire.param_gather": WireFormat.FP8})
     spec = update_spec(spec, {"sharding.world_size": dp_world if fsdp else replicate,
                               "batch.accumulation_steps": accumulation, "batch.global_batch_size": global_batch,
                               "compile": read_torchtitan_compile(keys, per_block=fsdp)})

@@ -126,6 +126,11 @@ def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool
                  "loop of this backend does not apply"
         raise ConfigError(f"precision.param_dtype='fp16' cannot run on the deepspeed backend: {where}",
                           key="precision.param_dtype", fix="use param_dtype='bf16', or backend='native'")
+    if spec.communication.wire.quantized and accelerator == "cpu":
+        raise ConfigError("communication.wire quantizes collectives, and DeepSpeed's ZeRO++ quantizer kernels are "
+                          "CUDA-only (on CPU CUDAQuantizer raises 'This op had not been implemented on CPU backend')",
+                          key="communication.wire", fix="use backend='native', which quantizes on any device "
+                                                        "(docs/quantized.md), or run on a GPU")
     spec.sharding.check_world(world_size)
     translation = write_deepspeed(spec)
     config: dict[str, Any] = translation.value

@@ -62,6 +62,7 @@ _CLOSEST: dict[str, str] = {
     "offload.optimizer.ratio": "the whole optimizer step on the host",
     "precision.accumulate_dtype": "gradient accumulation in the master dtype",
     "wrapping": "the enclosing unit with the inner one merged into it",
+    "communication.wire": "full-precision collectives",
 }
 """The closest FSDP2 form of each refused key, named in the refusal's fix."""
 
@@ -132,8 +133,8 @@ def assess(spec: StrategySpec, *, world_size: int, local_world_size: int,
     for entry in translation.report.approximations:
         if entry.key in HANDLED or entry.key.split(".")[0] in SECTIONS:
             continue  # SECTIONS: the script's optimizer and scheduler, not FSDP's to run
-        if entry.key.startswith(_TUNING_PREFIXES):
-            out.tuning.append(entry)
+        if entry.key.startswith(_TUNING_PREFIXES) and not entry.key.startswith("communication.wire"):
+            out.tuning.append(entry)  # a quantized payload changes the numbers: never mere tuning
         elif entry.key == "precision.accumulate_dtype" and accumulation == 1:
             out.equivalent.append(Entry(entry.key, Status.EQUIVALENT, "one micro-batch per step: nothing "
                                         "accumulates across micro-batches", entry.target))
