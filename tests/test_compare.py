@@ -512,3 +512,24 @@ def test_the_command_line_registers_compare_without_importing_torch() -> None:
     code = "import sys\nfrom zerobridge.cli import _parser\n_parser()\nprint('torch' in sys.modules)\n"
     assert subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                           text=True).stdout.strip() == "False"
+
+
+@pytest.mark.distributed
+def test_quantized_runs_are_judged_by_the_drift_from_their_unquantized_twin(tmp_path: Path) -> None:
+    plain = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "communication_data_type": "bf16"}
+    zeropp = {**plain, "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                             "zero_quantized_gradients": True}}
+    paths = []
+    for name, config in (("plain", plain), ("zeropp", zeropp)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(config))
+    out = tmp_path / "r.json"
+    assert main(["compare", "--config", *map(str, paths), "--backends", "native", "--steps", "4", "--json",
+                 str(out)]) == 0
+    data = json.loads(out.read_text())
+    kind = "bf16 gather=int8 reduce=int4"
+    assert "from the same run unquantized" in data["tolerances"][kind]["source"]
+    assert data["tolerances"][kind]["loss"][-1] > data["tolerances"]["bf16"]["loss"][-1]
+    runs = {r["name"]: r for r in data["runs"]}
+    moved = {name: sum(r["comm_bytes"].values()) for name, r in runs.items()}
+    assert moved["native/zeropp"] < 0.7 * moved["native/plain"]  # 118k parameters: control all-reduces weigh in

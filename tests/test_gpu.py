@@ -146,3 +146,25 @@ def test_two_gpus_match_the_reference(stage: int) -> None:
         results = cluster.run(NATIVE, stage=stage, steps=6)
     assert results[0].losses == results[1].losses
     close_to(results[0], run_reference(steps=6))
+
+
+@pytest.mark.skipif(GPUS < 2, reason="a quantized collective needs two ranks")
+@pytest.mark.parametrize("wire", [{"param_gather": "int8", "grad_reduce": "int4"}, {"param_gather": "fp8"}],
+                         ids=["qwz+qgz", "fp8"])
+def test_quantized_collectives_on_nccl(wire: dict[str, str]) -> None:
+    """The same encoded gathers and all-to-all reductions as on gloo, through NCCL: ranks agree and the
+    run stays within the format's bound of the exact one (tests/test_engine_wire.py's bounds)."""
+    from zerobridge.spec import StrategySpec
+    from zerobridge.spec.presets import spec_for_stage
+
+    data = spec_for_stage(3).model_dump(mode="json")
+    exact = StrategySpec.model_validate(data)
+    data["communication"]["wire"] = wire
+    quantized = StrategySpec.model_validate(data)
+    with Cluster(2, backend="nccl", env=NCCL) as cluster:
+        ref = cluster.run(NATIVE, spec=exact, steps=4, clip=None)[0]
+        runs = cluster.run(NATIVE, spec=quantized, steps=4, clip=None)
+    assert runs[0].losses == runs[1].losses
+    bound = 0.05 if "int4" in wire.values() else 0.02
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs[0].losses, ref.losses)) < bound
+    assert runs[0].stats[-1]["comm_bytes"].get("all_gather", 0) < ref.stats[-1]["comm_bytes"]["all_gather"]

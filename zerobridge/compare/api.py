@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from zerobridge.compare.report import Comparison, compute_dtype, relative
+from zerobridge.compare.report import Comparison, compute_dtype, relative, run_kind
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
-from zerobridge.compare.tolerance import LOSS_FLOOR, NORM_FLOOR, calibrated
+from zerobridge.compare.tolerance import FACTOR, LOSS_FLOOR, NORM_FLOOR, Tolerance, calibrated
 from zerobridge.compare.workload import BUILTIN, resolve_model
 from zerobridge.env import BACKENDS
 from zerobridge.errors import ConfigError
-from zerobridge.explain import explain
-from zerobridge.spec import ShardingSpec, StrategySpec
+from zerobridge.explain import explain, format_bytes
+from zerobridge.spec import ShardingSpec, StrategySpec, WireSpec
 
 __all__ = ["Plan", "compare", "plan", "run_plan"]
 
@@ -170,7 +170,8 @@ def _calibrate(planned: Plan, comparison: Comparison, *, clip: float | None, tim
     (stage 0: every reduction in another order); its drift from that run sets the bounds."""
 
     for dtype in ("bf16", "fp16"):
-        first = next((r for r in comparison.runs if r.error is None and compute_dtype(r.planned.spec) == dtype), None)
+        first = next((r for r in comparison.runs if r.error is None and compute_dtype(r.planned.spec) == dtype
+                      and not r.planned.spec.communication.wire.quantized), None)  # quantized kinds: their own
         if first is None:
             continue
         # The same micro-batches per step (each twice as many rows, on the one rank), whatever
@@ -190,3 +191,36 @@ def _calibrate(planned: Plan, comparison: Comparison, *, clip: float | None, tim
         comparison.tolerances[dtype] = calibrated(
             loss_deviation=[relative(a, b) for a, b in zip(outcome.losses, first.losses)],
             norm_deviation=[relative(a, b) for a, b in zip(outcome.grad_norms, first.grad_norms)], dtype=dtype)
+    _calibrate_quantized(planned, comparison, clip=clip, timeout_s=timeout_s)
+
+
+def _calibrate_quantized(planned: Plan, comparison: Comparison, *, clip: float | None, timeout_s: float) -> None:
+    """For each kind of quantized run (``run_kind``): its first finished run once more with every
+    payload in full precision, on the same ranks; its drift from that twin sets the bounds, the
+    twin's bytes stand beside it."""
+    for kind in dict.fromkeys(run_kind(r.planned.spec) for r in comparison.runs if r.error is None):
+        first = next(r for r in comparison.runs if r.error is None and run_kind(r.planned.spec) == kind)
+        spec = first.planned.spec
+        if not spec.communication.wire.quantized:
+            continue
+        full = spec.model_copy(update={"communication": spec.communication.model_copy(
+            update={"wire": WireSpec()})})
+        twin = Planned(f"calibration/{kind}", "native", f"unquantized-{first.planned.label}", first.planned.stage,
+                       full, by_stage=False, accumulation=first.planned.accumulation)
+        (outcome,) = execute([twin], model=planned.model, global_batch=planned.global_batch,
+                             seq_len=planned.seq_len, world_size=comparison.world_size, steps=comparison.steps,
+                             seed=planned.seed, clip=clip, timeout_s=timeout_s)
+        if outcome.error is not None:
+            raise ConfigError(f"the unquantized rerun that calibrates {kind} runs failed: {outcome.error}",
+                              key="--tolerance", fix="pass --tolerance and --norm-tolerance to judge with fixed "
+                                                     "bounds")
+        moved = sum(first.comm_bytes.values())
+        exact = sum(outcome.comm_bytes.values())
+        bounds = calibrated(
+            loss_deviation=[relative(a, b) for a, b in zip(first.losses, outcome.losses)],
+            norm_deviation=[relative(a, b) for a, b in zip(first.grad_norms, outcome.grad_norms)], dtype=kind)
+        comparison.tolerances[kind] = Tolerance(
+            bounds.loss, bounds.grad_norm,
+            f"{kind}: {FACTOR:g} x the drift of {first.planned.name} from the same run unquantized, up to each "
+            f"step; it moves {moved / max(exact, 1):.2f}x the unquantized run's bytes per step "
+            f"({format_bytes(int(moved))} vs {format_bytes(int(exact))})")

@@ -94,6 +94,15 @@ def compute_dtype(spec: Any) -> str:
     return value if value in ("bf16", "fp16") else "fp32"
 
 
+def run_kind(spec: Any) -> str:
+    """What a run's tolerance is keyed by: its compute dtype, and the payloads it quantizes
+    (``bf16 gather=int8 reduce=int4``): each kind drifts by its own amount."""
+    wire = spec.communication.wire
+    quantized = [f"{name}={fmt.value}" for name, fmt in (("gather", wire.param_gather),
+                                                         ("reduce", wire.grad_reduce)) if fmt.value != "full"]
+    return " ".join([compute_dtype(spec), *quantized])
+
+
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -118,7 +127,8 @@ class Comparison:
     """Whether the loss and the grad-norm bounds of 16-bit runs come from ``tolerances`` (no
     ``--tolerance`` / ``--norm-tolerance`` given); fp32 runs keep the two numbers above."""
     tolerances: dict[str, Tolerance] = field(default_factory=dict)
-    """Per compute dtype (``bf16``, ``fp16``): the bounds calibrated after the runs."""
+    """Per run kind (``run_kind``: ``bf16``, ``fp16``, ``bf16 gather=int8``, ...): the bounds
+    calibrated after the runs."""
 
     def bound(self, run: RunOutcome, metric: str, step: int) -> float:
         """How far ``run`` may be from the reference at ``step``: the looser of the bounds of
@@ -126,9 +136,8 @@ class Comparison:
         fixed = self.tolerance if metric == "loss" else self.norm_tolerance
         if not self.derived[0 if metric == "loss" else 1]:
             return fixed
-        dtypes = {compute_dtype(run.planned.spec)} | ({compute_dtype(self.reference.planned.spec)}
-                                                      if self.reference else set())
-        return max([fixed] + [self.tolerances[d].at(metric, step) for d in dtypes if d in self.tolerances])
+        kinds = {run_kind(run.planned.spec)} | ({run_kind(self.reference.planned.spec)} if self.reference else set())
+        return max([fixed] + [self.tolerances[k].at(metric, step) for k in kinds if k in self.tolerances])
 
     def tolerance_lines(self) -> list[str]:
         """How the runs were judged, one line per compute dtype."""

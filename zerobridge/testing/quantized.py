@@ -16,7 +16,7 @@ from typing import Any
 
 from zerobridge.testing import parity
 
-__all__ = ["run_on_nodes"]
+__all__ = ["run_on_nodes", "train_on_nodes"]
 
 
 def run_on_nodes(*, ranks_per_node: int, **kwargs: Any) -> parity.RunResult:
@@ -25,6 +25,21 @@ def run_on_nodes(*, ranks_per_node: int, **kwargs: Any) -> parity.RunResult:
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     try:
         return parity.run_native(**kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
+def train_on_nodes(*, ranks_per_node: int, **kwargs: Any) -> Any:
+    """``zerobridge.compare.worker.train(**kwargs)`` with ``ranks_per_node`` ranks to a node."""
+    from zerobridge.compare.worker import train  # lazy: the compare worker loads the workloads
+
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    try:
+        return train(**kwargs)
     finally:
         if saved is None:
             os.environ.pop("LOCAL_WORLD_SIZE", None)
