@@ -57,6 +57,17 @@ def test_big_model_table_is_the_committed_results() -> None:
     assert bench.splice(doc, bench.table(results)) == doc, "rerun `python bench/big_model.py --render`"
 
 
+def test_plan_accuracy_block_is_the_committed_results() -> None:
+    """docs/plan.md carries the block bench/plan.py renders from bench/results/plan.json."""
+    import json
+
+    bench = _bench("plan")
+    results = json.loads((REPO / "bench" / "results" / "plan.json").read_text(encoding="utf-8"))
+    doc = (REPO / "docs" / "plan.md").read_text(encoding="utf-8")
+    assert bench.splice(doc, bench.table(results), (bench.BEGIN, bench.END)) == doc, \
+        "rerun `python bench/plan.py --render`"
+
+
 @pytest.mark.parametrize("name", ["compile", "engine_scale", "mixed_precision"])
 def test_benchmark_block_is_the_committed_results(name: str) -> None:
     """docs/benchmarks.md carries the block bench/NAME.py renders from bench/results/NAME.json."""

@@ -13,8 +13,8 @@ from zerobridge.engine.plan import plan_engine
 from zerobridge.errors import ConfigError
 from zerobridge.explain import explain
 from zerobridge.harness.cluster import Cluster
-from zerobridge.plan.fake_run import Run, run_once
-from zerobridge.plan.models import resolve_model
+from zerobridge.planning.fake_run import Run, run_once
+from zerobridge.planning.models import resolve_model
 from zerobridge.spec import PrecisionSpec, StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing.parity import ParityNet

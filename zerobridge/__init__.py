@@ -7,8 +7,8 @@
 The training API (``prepare``, ``clip_grad_norm_``, ``full_state_dict``,
 ``stats``, ``reset_stats``, ``spec_of``, ``is_accumulation_boundary``) and checkpoints (``save_checkpoint``,
 ``load_checkpoint``, ``save_full``, ``load_pretrained``) live in
-``zerobridge.api`` and load torch on first use here, so config conversion
-stays fast.
+``zerobridge.api``, ``plan`` (which strategy fits) in ``zerobridge.planning``; they load torch on
+first use here, so config conversion stays fast.
 
 [Note: layers]
 The package is cut into layers, bottom first (``LAYERS``). A module imports
@@ -48,7 +48,7 @@ from typing import Any
 from zerobridge._version import __version__ as __version__
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "is_accumulation_boundary", "load_checkpoint", "load_pretrained",
-           "prepare", "reset_stats", "save_checkpoint", "save_full", "spec_of", "stats"]
+           "plan", "prepare", "reset_stats", "save_checkpoint", "save_full", "spec_of", "stats"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("zerobridge._version", "zerobridge.errors", "zerobridge.resources"),
@@ -61,7 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("zerobridge.backends",),
     ("zerobridge.api",),
     ("zerobridge.launch", "zerobridge.harness", "zerobridge.compare", "zerobridge.docgen", "zerobridge.deepspeed",
-     "zerobridge.plan"),
+     "zerobridge.planning"),
     ("zerobridge.cli", "zerobridge.demo", "zerobridge.testing", "zerobridge"),
 )
 """The layers, bottom first (the note above); ``zerobridge`` alone names this module, not the package."""
@@ -70,6 +70,10 @@ INDEPENDENT = frozenset({6})
 
 
 def __getattr__(name: str) -> Any:
+    if name == "plan":
+        from zerobridge.planning import plan  # lazy: the planner loads torch
+
+        return plan
     if name in __all__:
         from zerobridge import api  # lazy: loads torch, which converting a config never needs
 

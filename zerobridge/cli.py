@@ -46,8 +46,8 @@ from zerobridge.errors import ConfigError
 from zerobridge.explain import explain
 from zerobridge.launch import add_run_arguments, launch
 from zerobridge.load import load_spec
-from zerobridge.plan.cli import add_parser as add_plan_parser
-from zerobridge.plan.cli import run as run_plan
+from zerobridge.planning.cli import add_parser as add_plan_parser
+from zerobridge.planning.cli import run as run_plan
 from zerobridge.registry import strategies
 from zerobridge.translate.formats import SOURCES, TARGETS, YAML_TARGETS, write
 from zerobridge.translate.keys import from_validation_error

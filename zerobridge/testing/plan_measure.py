@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerobridge.plan.fake_run import Run, run_real
-from zerobridge.plan.models import resolve_model
+from zerobridge.planning.fake_run import Run, run_real
+from zerobridge.planning.models import resolve_model
 from zerobridge.spec import StrategySpec
 
 __all__ = ["measure"]

@@ -1,6 +1,6 @@
 """Memory sizes as people write them: ``80GiB``, ``80GB``, ``1.5TiB``, ``512MiB`` or plain bytes.
 
-    >>> from zerobridge.plan.sizes import parse_bytes
+    >>> from zerobridge.planning.sizes import parse_bytes
     >>> parse_bytes("80GiB"), parse_bytes("80GB"), parse_bytes("1.5 TiB"), parse_bytes(4096)
     (85899345920, 80000000000, 1649267441664, 4096)
     >>> parse_bytes("80 gigs")

@@ -1,7 +1,7 @@
 """Live tensor bytes at every operation: the peak a run reaches, per phase, real or fake tensors alike.
 
     >>> import torch
-    >>> from zerobridge.plan.tracker import StorageTracker
+    >>> from zerobridge.planning.tracker import StorageTracker
     >>> with StorageTracker() as tracker:
     ...     tracker.phase = "forward"
     ...     a = torch.zeros(1024)                 # 4 KiB
@@ -19,7 +19,7 @@ shrunk in place (``UntypedStorage.resize_``: the engine frees a gathered
 buffer, an offload tier releases its device copy) counts at its new size.
 Storages that existed before the tracker started are not counted unless
 ``adopt`` is given them. Bytes are summed over every device: a planning run
-(``zerobridge.plan``) runs on one device, and the host tier's share is known
+(``zerobridge.planning``) runs on one device, and the host tier's share is known
 exactly from the engine's accounting.
 
 torch's ``MemTracker`` counts the same way and adds a per-module breakdown;

@@ -1,6 +1,6 @@
 """Which strategy fits: every candidate measured on fake tensors, ranked, one recommended.
 
-    >>> from zerobridge.plan import plan
+    >>> from zerobridge.planning import plan
     >>> result = plan("tiny-gpt", world_size=4, device_memory="64MiB", micro_batch=2, seq_len=16, workers=1)
     >>> result.recommended.name, result.recommended.fits
     ('zero2', True)
@@ -13,7 +13,7 @@ rank 0 of the world on fake tensors (``fake_run``). A model deeper than
 (each phase's peak, the bytes on each tier, the bytes each collective moves)
 extended along the line through them to the full depth: every figure but the
 peak is exactly linear in the depth of a stack of equal blocks; ``docs/plan.md``
-gives the measured error of the peak.
+gives the measured error of the peak (``whole=True`` measures the full depth).
 
 Per rank:
 
@@ -43,10 +43,10 @@ from torch import nn
 from zerobridge.errors import ConfigError
 from zerobridge.explain import Explanation, explain
 from zerobridge.load import load_spec
-from zerobridge.plan.candidates import Candidate, candidates
-from zerobridge.plan.fake_run import Measured, Run, run_once
-from zerobridge.plan.models import ModelSource, resolve_model
-from zerobridge.plan.sizes import parse_bytes
+from zerobridge.planning.candidates import Candidate, candidates
+from zerobridge.planning.fake_run import Measured, Run, run_once
+from zerobridge.planning.models import ModelSource, resolve_model
+from zerobridge.planning.sizes import parse_bytes
 from zerobridge.spec import OffloadDevice, StrategySpec
 from zerobridge.translate.run_level import with_run_settings
 
@@ -133,30 +133,31 @@ def _extend(low: Measured, high: Measured, depths: tuple[int, int], full: int) -
                     comm_bytes=line(low.comm_bytes, high.comm_bytes), comm_calls=line(low.comm_calls, high.comm_calls))
 
 
-def _measure(source: ModelSource, spec: StrategySpec, run: Run) -> Measured:
-    if source.layers is None or source.layers <= FULL_DEPTH:
+def _measure(source: ModelSource, spec: StrategySpec, run: Run, whole: bool = False) -> Measured:
+    if whole or source.layers is None or source.layers <= FULL_DEPTH:
         return run_once(source, spec, run)
     low, high = (run_once(source, spec, run, layers=d) for d in SHALLOW)
     return _extend(low, high, SHALLOW, source.layers)
 
 
-def _measure_ref(ref: str, spec: StrategySpec, run: Run) -> Measured:
+def _measure_ref(ref: str, spec: StrategySpec, run: Run, whole: bool) -> Measured:
     """``_measure`` in a worker process: the model named again there (a source does not pickle)."""
-    return _measure(resolve_model(ref), spec, run)
+    return _measure(resolve_model(ref), spec, run, whole)
 
 
 def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], run: Run,
-                 workers: int) -> list[Measured]:
+                 workers: int, whole: bool) -> list[Measured]:
     """Every spec measured; in ``workers`` fresh processes when the model is named by a string
     (each process holds its own fake process group)."""
     if workers <= 1 or not isinstance(model, (str, Path)) or len(specs) < 2:
-        return [_measure(source, spec, run) for spec in specs]
+        return [_measure(source, spec, run, whole) for spec in specs]
     import multiprocessing  # lazy: only a parallel plan starts processes
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no process group or threads inherited
     with ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=context) as pool:
-        return list(pool.map(_measure_ref, [str(model)] * len(specs), specs, [run] * len(specs)))
+        return list(pool.map(_measure_ref, [str(model)] * len(specs), specs, [run] * len(specs),
+                             [whole] * len(specs)))
 
 
 def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, device_memory: int,
@@ -224,7 +225,7 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
          micro_batch: int = 1, seq_len: int = 2048, nodes: int = 1, host_memory: int | str | None = None,
          precision: str = "bf16", accumulation: int = 1, optimizer: str = "adamw",
          strategies: Sequence[str | Path | StrategySpec] = (), only_own: bool = False,
-         workers: int | None = None) -> Plan:
+         workers: int | None = None, whole: bool = False) -> Plan:
     """Measure every candidate layout of ``model`` on ``world_size`` ranks over ``nodes`` nodes and
     rank them (module docstring).
 
@@ -237,6 +238,8 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
         strategies: the user's own configs, registry names or specs, planned beside the candidates.
         only_own: plan only ``strategies`` (and their ``+ac`` forms).
         workers: processes measuring candidates side by side (default: the CPUs, at most 4; 1: this one).
+        whole: measure every candidate at the model's full depth, never extended from two shallow
+            ones (slower: about 15 s per candidate for a 70B model here).
     """
     source = _source(model)
     device_bytes = parse_bytes(device_memory, key="--device-memory")
@@ -257,10 +260,10 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
     specs = [with_run_settings(c.spec, micro_batch=micro_batch, accumulation=accumulation,
                                precision=precision).value.model_copy(update={"name": c.name}) for c in chosen]
     count = min(os.cpu_count() or 1, 4) if workers is None else workers
-    measured = _measure_all(model, source, specs, run, count)
+    measured = _measure_all(model, source, specs, run, count, whole)
     rows = [_row(Candidate(c.name, spec, c.own), m, params=params, run=run, device_memory=device_bytes,
                  host_memory=host_bytes) for c, spec, m in zip(chosen, specs, measured)]
-    deep = source.layers is not None and source.layers > FULL_DEPTH
+    deep = source.layers is not None and source.layers > FULL_DEPTH and not whole
     how = (f"measured at {SHALLOW[0]} and {SHALLOW[1]} of {source.layers} blocks, extended to {source.layers}"
            if deep else "measured on the whole model")
     return Plan(model=source.name, params=params, run=run, precision=precision, device_memory=device_bytes,

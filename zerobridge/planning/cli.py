@@ -18,8 +18,8 @@ from pathlib import Path
 
 from zerobridge.checkpoint.storage import atomic_write_file
 from zerobridge.errors import ConfigError
-from zerobridge.plan.planner import plan
-from zerobridge.plan.report import no_fit_message, render, to_json
+from zerobridge.planning.planner import plan
+from zerobridge.planning.report import no_fit_message, render, to_json
 from zerobridge.translate.formats import TARGETS, YAML_TARGETS, write
 from zerobridge.translate.run_level import with_run_settings
 
@@ -60,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "--strategy", dest="own", nargs="+", default=[], metavar="CONFIG",
                    help="your own config files or registry names, planned beside the candidates")
     p.add_argument("--only-own", action="store_true", help="plan only --config/--strategy (and their +ac forms)")
+    p.add_argument("--whole", action="store_true",
+                   help="measure every candidate at the model's full depth instead of extending two shallow "
+                        "depths (models over 12 blocks; slower)")
     p.add_argument("--to", choices=sorted(TARGETS), help="write the recommended strategy in this format")
     p.add_argument("-o", "--output", type=Path, help="write the --to config here (atomically)")
     p.add_argument("--json", action="store_true", help="the plan as JSON on stdout")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(args.model, world_size=args.world_size, nodes=args.nodes, device_memory=args.device_memory,
                   host_memory=args.host_memory, micro_batch=args.micro_batch, seq_len=args.seq_len,
                   accumulation=args.accumulation, precision=args.precision, optimizer=args.optimizer,
-                  strategies=args.own, only_own=args.only_own)
+                  strategies=args.own, only_own=args.only_own, whole=args.whole)
     table_out = sys.stderr if args.to is not None and args.output is None else sys.stdout
     if args.json:
         print(json.dumps(to_json(result), indent=2))

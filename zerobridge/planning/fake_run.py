@@ -1,8 +1,8 @@
 """One candidate, run for real on fake tensors: the engine trains two steps as one rank of the world.
 
     >>> import torch.distributed as dist
-    >>> from zerobridge.plan.fake_run import Run, run_once
-    >>> from zerobridge.plan.models import resolve_model
+    >>> from zerobridge.planning.fake_run import Run, run_once
+    >>> from zerobridge.planning.models import resolve_model
     >>> from zerobridge.spec.presets import spec_for_stage
     >>> source = resolve_model("tiny-gpt")
     >>> run = Run(world_size=4, nodes=1, micro_batch=2, seq_len=16, accumulation=1)
@@ -39,8 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zerobridge.backends.native.prepare import prepare
 from zerobridge.engine import Engine
 from zerobridge.errors import ConfigError
-from zerobridge.plan.models import ModelSource
-from zerobridge.plan.tracker import StorageTracker
+from zerobridge.planning.models import ModelSource
+from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import Replay, ShapeReplay
 from zerobridge.spec import StrategySpec
 

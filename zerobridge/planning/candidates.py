@@ -1,8 +1,8 @@
 """The layouts a plan weighs: ZeRO stages, hybrid and hpZ layouts across nodes, offload tiers,
 activation checkpointing on and off, and the user's own strategies.
 
-    >>> from zerobridge.plan.candidates import candidates
-    >>> from zerobridge.plan.models import resolve_model
+    >>> from zerobridge.planning.candidates import candidates
+    >>> from zerobridge.planning.models import resolve_model
     >>> model = resolve_model("tiny-gpt").build()
     >>> [c.name for c in candidates(model, nodes=1, ranks_per_node=8)][:5]
     ['zero0', 'zero1', 'zero2', 'zero3', 'zero2-offload']

@@ -1,7 +1,8 @@
-"""``zerobridge plan``: which strategy fits, measured from the model itself before anything launches.
+"""``zerobridge plan`` / ``zerobridge.plan(...)``: which strategy fits, measured before anything launches.
 
-    >>> from zerobridge.plan import plan
-    >>> result = plan("tiny-gpt", world_size=8, nodes=2, device_memory="40MiB", micro_batch=4, seq_len=32, workers=1)
+    >>> import zerobridge
+    >>> result = zerobridge.plan("tiny-gpt", world_size=8, nodes=2, device_memory="40MiB", micro_batch=4, seq_len=32,
+    ...                          workers=1)
     >>> result.recommended.name
     'zero2'
     >>> [r.name for r in result.rows][:4]
@@ -19,6 +20,6 @@ has the measured accuracy).
 
 from __future__ import annotations
 
-from zerobridge.plan.planner import Plan, Row, plan
+from zerobridge.planning.planner import Plan, Row, plan
 
 __all__ = ["Plan", "Row", "plan"]

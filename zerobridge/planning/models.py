@@ -1,6 +1,6 @@
 """What ``zerobridge plan`` is asked about: a model users already have, built on the meta device.
 
-    >>> from zerobridge.plan.models import resolve_model
+    >>> from zerobridge.planning.models import resolve_model
     >>> source = resolve_model("tiny-gpt:20m")
     >>> source.name, source.layers, source.params
     ('tiny-gpt:20m', 6, 20091904)

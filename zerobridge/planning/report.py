@@ -1,7 +1,7 @@
 """A plan as people read it (a table and the recommendation) and as scripts read it (JSON).
 
-    >>> from zerobridge.plan import plan
-    >>> from zerobridge.plan.report import render, to_json
+    >>> from zerobridge.planning import plan
+    >>> from zerobridge.planning.report import render, to_json
     >>> result = plan("tiny-gpt", world_size=2, device_memory="64MiB", micro_batch=2, seq_len=16, workers=1)
     >>> print(render(result).splitlines()[0])
     Plan for tiny-gpt (118,400 parameters) on 2 ranks = 1 node(s) x 2, micro-batch 2 x 16 tokens, bf16, adamw
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerobridge.explain import format_bytes
-from zerobridge.plan.planner import Plan, Row, ranks_needed
+from zerobridge.planning.planner import Plan, Row, ranks_needed
 
 __all__ = ["no_fit_message", "render", "to_json"]
 

@@ -1,0 +1,250 @@
+"""How close ``zerobridge plan`` comes to real runs, beside DeepSpeed's and Accelerate's estimators,
+and how long it takes at 70B and 405B.
+
+    python bench/plan.py                  # everything: about 25 min on 2 CPU cores; bench/results/plan.json
+    python bench/plan.py --quick          # 20M GPT and tiny Llama at world 2: about 3 min
+    python bench/plan.py --render         # rewrite docs/plan.md's block from the saved JSON
+
+Accuracy: for every cell (model x world size x precision x candidate; the
+100M GPT at world 2 only, as four real ranks of it do not fit 24 GiB) the plan
+predicts a rank's peak live tensor bytes on fake tensors; then a real gloo
+group of that world size (``Cluster``) trains the same two steps on real
+tensors (``zerobridge.testing.plan_measure``) and rank 0's peak is measured
+the same way (every storage counted as it is allocated and freed). The peak
+is the highest of the forward, backward and step phases (preparing a meta
+model, where values are drawn on the host one module at a time, is left
+out). Beside it, what DeepSpeed's estimators (``estimate_zero2/3_model_states_mem_needs``,
+the GPU figure; stages 2 and 3 only, no offload) and ``accelerate estimate-memory``
+(its training figure for the dtype: no sharding, no activations) say for the
+same cell, as a signed error against the measured peak.
+
+Scale: wall time and peak resident memory (this process and its workers) of
+the whole plan of Llama-3-70B at world 64 over 8 nodes and Llama-3-405B at
+world 128 over 16 nodes, and the error of extending a deep model from two
+shallow depths (Llama-3-8B, 32 blocks, measured whole beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+from backends import ROOT, machine, splice
+
+RESULTS = ROOT / "bench" / "results" / "plan.json"
+DOC = ROOT / "docs" / "plan.md"
+BEGIN, END = "<!-- bench/plan.py: begin -->", "<!-- bench/plan.py: end -->"
+CELLS = ("zero0", "zero1", "zero2", "zero3", "zero0+ac", "zero1+ac", "zero2+ac", "zero3+ac")
+OFFLOAD = ("zero2-offload", "zero3-offload")
+SHAPES = {"tiny-gpt:20m": (2, 256), "tiny-gpt:100m": (1, 256), "tiny-llama": (2, 256)}
+BIG = {"tiny-gpt:100m"}
+"""Measured at world 2 only: four ranks of it at stage 0 outgrow this machine's 24 GiB."""
+
+
+def _phase_peak(peaks: dict[str, int]) -> int:
+    return max(v for k, v in peaks.items() if k != "setup")
+
+
+def _deepspeed(stage: int, params: int, largest: int, world: int) -> int | None:
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        return int(estimate_zero2_model_states_mem_needs(params, world, 1, cpu_offload=False)[1])
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        return int(estimate_zero3_model_states_mem_needs(params, largest, world, 1, cpu_offload=False,
+                                                         cpu_offload_params=False)[1])
+    return None
+
+
+def _accelerate(params: int, precision: str) -> int:
+    from accelerate.commands.estimate import estimate_training_usage
+
+    usage = estimate_training_usage(params * 4, {"fp32": "float32", "bf16": "bfloat16"}[precision])
+    return int(max(usage.values()))
+
+
+def accuracy(models: list[str], worlds: list[int], precisions: list[str]) -> list[dict[str, Any]]:
+    from zerobridge.harness.cluster import Cluster
+    from zerobridge.planning import plan
+    from zerobridge.planning.models import resolve_model
+
+    rows = []
+    for world in worlds:
+        # glibc hands freed large blocks back at once, so the ranks' resident memory follows their live bytes
+        with Cluster(world, timeout_s=1800, env={"MALLOC_MMAP_THRESHOLD_": str(2**20)}) as cluster:
+            for model in models:
+                if world > 2 and model in BIG:
+                    continue
+                micro, seq = SHAPES[model]
+                source = resolve_model(model)
+                built = source.build()
+                params = sum(p.numel() for p in built.parameters())
+                largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
+                for precision in precisions:
+                    result = plan(model, world_size=world, device_memory="1TiB", micro_batch=micro, seq_len=seq,
+                                  precision=precision, workers=1)
+                    names = CELLS + (OFFLOAD if world == 2 and precision == "fp32" else ())
+                    for name in names:
+                        row = result.row(name)
+                        real = cluster.run("zerobridge.testing.plan_measure:measure", model=model,
+                                           spec=row.spec.model_dump(mode="json"), micro_batch=micro, seq_len=seq)
+                        measured = _phase_peak(real[0]["peaks"])
+                        predicted = _phase_peak(row.peaks)
+                        stage = row.spec.sharding.stage.value
+                        ds = _deepspeed(stage, params, largest, world) if "offload" not in name else None
+                        rows.append({"model": model, "world": world, "precision": precision, "candidate": name,
+                                     "micro_batch": micro, "seq_len": seq, "measured": measured,
+                                     "predicted": predicted, "error": predicted / measured - 1,
+                                     "comm_equal": real[0]["comm_bytes"] == row.comm_by_kind,
+                                     "deepspeed": ds, "deepspeed_error": None if ds is None else ds / measured - 1,
+                                     "accelerate": _accelerate(params, precision),
+                                     "accelerate_error": _accelerate(params, precision) / measured - 1})
+                        print(f"{model:<14} w{world} {precision} {name:<14} measured {measured / 2**20:9.1f} MiB "
+                              f"predicted {rows[-1]['error']:+.4%}", file=sys.stderr)
+    return rows
+
+
+def _peak_rss_mib() -> float:
+    """An upper bound on the plan's resident memory: this process's peak plus each worker at the
+    largest worker's peak (``ru_maxrss`` of children is the largest one's)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + min(os.cpu_count() or 1, 4) * children) / 1024
+
+
+def scale() -> dict[str, Any]:
+    from zerobridge.planning import plan
+    from zerobridge.planning.candidates import with_checkpointing
+    from zerobridge.planning.fake_run import Run, run_once
+    from zerobridge.planning.models import resolve_model
+    from zerobridge.planning.planner import SHALLOW, _extend
+    from zerobridge.planning.report import render
+    from zerobridge.spec.presets import spec_for_stage
+    from zerobridge.translate.run_level import with_run_settings
+
+    out: dict[str, Any] = {}
+    for name, world, nodes in (("llama-3-70b", 64, 8), ("llama-3-405b", 128, 16)):
+        start = time.perf_counter()
+        result = plan(name, world_size=world, nodes=nodes, device_memory="80GiB", micro_batch=1, seq_len=4096)
+        seconds = time.perf_counter() - start
+        out[name] = {"seconds": seconds, "candidates": len(result.rows), "peak_rss_mib_upper_bound": _peak_rss_mib(),
+                     "table": render(result)}
+        print(f"{name}: {len(result.rows)} candidates in {seconds:.1f} s", file=sys.stderr)
+    out["extension"] = {}
+    run = Run(world_size=64, nodes=8, micro_batch=1, seq_len=4096)
+    for name, labels in (("llama-3-8b", ("zero3", "zero3+ac", "zero2")), ("llama-3-70b", ("zero3+ac",))):
+        source = resolve_model(name)
+        template = source.build(2)
+        specs = {"zero3": spec_for_stage(3, template),
+                 "zero3+ac": with_checkpointing(spec_for_stage(3, template), template),
+                 "zero2": spec_for_stage(2, template)}
+        for label in labels:
+            spec = with_run_settings(specs[label], precision="bf16").value
+            low, high = (run_once(source, spec, run, layers=d) for d in SHALLOW)
+            whole = run_once(source, spec, run)
+            extended = _extend(low, high, SHALLOW, source.layers or 0)
+            out["extension"][f"{name} {label}"] = {
+                "whole": _phase_peak(whole.peaks), "extended": _phase_peak(extended.peaks),
+                "error": _phase_peak(extended.peaks) / _phase_peak(whole.peaks) - 1,
+                "comm_error": max(abs(extended.comm_bytes.get(k, 0) / v - 1)
+                                  for k, v in whole.comm_bytes.items() if v)}
+            print(f"{name} {label}: extended {out['extension'][f'{name} {label}']['error']:+.3%}",
+                  file=sys.stderr)
+    from zerobridge.explain import explain
+    stage3 = explain(spec_for_stage(3), params=7_500_000_000, world_size=64).model_state_bytes
+    stage0 = explain(spec_for_stage(0), params=7_500_000_000, world_size=64).model_state_bytes
+    out["zero_paper"] = {"stage0": stage0, "stage3": stage3, "stage0_error": stage0 / 120e9 - 1,
+                         "stage3_error": stage3 / 1.9e9 - 1}
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
+def table(data: dict[str, Any]) -> str:
+    """The Markdown block docs/plan.md carries between its markers."""
+    m = data["machine"]
+    lines = [f"Measured {data['date']} on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, DeepSpeed "
+             f"{m['deepspeed']}: `{data['command'].strip()}`", "",
+             "| model | world | dtype | candidate | measured peak | plan | DeepSpeed estimator | "
+             "accelerate estimate |", "|---|---|---|---|---|---|---|---|"]
+    for r in data.get("accuracy", []):
+        lines.append(f"| {r['model']} | {r['world']} | {r['precision']} | {r['candidate']} | "
+                     f"{r['measured'] / 2**20:.1f} MiB | {r['error']:+.2%} | {_pct(r['deepspeed_error'])} | "
+                     f"{_pct(r['accelerate_error'])} |")
+    acc = data.get("accuracy", [])
+    if acc:
+        worst = max(abs(r["error"]) for r in acc)
+        lines.append(f"\n{len(acc)} cells; largest plan error {worst:.4%}; collective bytes equal in "
+                     f"{sum(r['comm_equal'] for r in acc)} of {len(acc)}")
+    s = data.get("scale", {})
+    if "scale_command" in data:
+        lines.append(f"\nScale figures: `{data['scale_command'].strip()}` on a quiet machine.")
+    for name in ("llama-3-70b", "llama-3-405b"):
+        if name in s:
+            bound = s[name]["peak_rss_mib_upper_bound"]
+            lines.append(f"\n{name}: {s[name]['candidates']} candidates in {s[name]['seconds']:.1f} s; peak RSS "
+                         f"(upper bound: this process + every worker at the largest one's peak) {bound:.0f} MiB")
+    if "llama-3-70b" in s:
+        lines += ["", "`zerobridge plan llama-3-70b --world-size 64 --nodes 8 --device-memory 80GiB --micro-batch 1 "
+                  "--seq-len 4096`:", "", "```", s["llama-3-70b"]["table"].rstrip(), "```", ""]
+    for label, e in s.get("extension", {}).items():
+        lines.append(f"{label}: extended {e['extended'] / 1e9:.2f} GB, whole {e['whole'] / 1e9:.2f} GB "
+                     f"({e['error']:+.3%}); collective bytes off by at most {e['comm_error']:.1e}")
+    if "zero_paper" in s:
+        z = s["zero_paper"]
+        lines.append(f"ZeRO paper 7.5B on 64 GPUs: stage 0 {z['stage0'] / 1e9:.1f} GB ({z['stage0_error']:+.2%} "
+                     f"of 120 GB), stage 3 {z['stage3'] / 1e9:.3f} GB ({z['stage3_error']:+.2%} of 1.9 GB)")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20M GPT and tiny Llama at world 2, no scale runs")
+    parser.add_argument("--render", action="store_true", help="print the tables from bench/results/plan.json")
+    parser.add_argument("--scale-only", action="store_true",
+                        help="rerun only the 70B/405B timings and the depth check into the saved JSON (run it on "
+                             "a quiet machine: the timings are wall clock)")
+    args = parser.parse_args()
+    if args.render:
+        data = json.loads(RESULTS.read_text())
+        DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
+        print(table(data))
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.scale_only:
+        data = json.loads(RESULTS.read_text())
+        data["scale"] = scale()
+        data["scale_command"] = "python bench/plan.py " + " ".join(sys.argv[1:])
+        tmp = RESULTS.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(RESULTS)
+        DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
+        print(table(data))
+        return
+    data: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                            "command": "python bench/plan.py " + " ".join(sys.argv[1:])}
+    if args.quick:
+        data["accuracy"] = accuracy(["tiny-gpt:20m", "tiny-llama"], [2], ["fp32", "bf16"])
+    else:
+        data["accuracy"] = accuracy(list(SHAPES), [2, 4], ["fp32", "bf16"])
+        data["scale"] = scale()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(RESULTS)
+    DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
+    print(table(data))
+
+
+if __name__ == "__main__":
+    main()
