@@ -19,7 +19,8 @@ fails on any that breaks this. An import inside a function is there only to
 keep a heavy dependency (torch, deepspeed, transformers, matplotlib) off the
 importer's start-up, with the reason on its line.
 
- 0  base         ``_version``, ``errors``, ``resources``: import nothing of zerobridge
+ 0  base         ``_version``, ``errors``, ``resources``, ``references``: import nothing of zerobridge
+                 but ``errors``
  1  spec         the partitioning spec (pydantic, frozen), stage presets
  2  env          every ``ZEROBRIDGE_*`` variable and its grammar
  3  translators  ``translate/`` (tables in ``mappings/``), ``registry``, ``load``, ``explain``,
@@ -51,7 +52,7 @@ __all__ = ["clip_grad_norm_", "full_state_dict", "is_accumulation_boundary", "lo
            "plan", "prepare", "reset_stats", "save_checkpoint", "save_full", "spec_of", "stats"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("zerobridge._version", "zerobridge.errors", "zerobridge.resources"),
+    ("zerobridge._version", "zerobridge.errors", "zerobridge.resources", "zerobridge.references"),
     ("zerobridge.spec",),
     ("zerobridge.env",),
     ("zerobridge.translate", "zerobridge.registry", "zerobridge.load", "zerobridge.explain", "zerobridge.diff"),
@@ -71,9 +72,9 @@ INDEPENDENT = frozenset({6})
 
 def __getattr__(name: str) -> Any:
     if name == "plan":
-        from zerobridge.planning import plan  # lazy: the planner loads torch
+        from zerobridge.planning import planner  # lazy: the planner loads torch
 
-        return plan
+        return planner.plan
     if name in __all__:
         from zerobridge import api  # lazy: loads torch, which converting a config never needs
 

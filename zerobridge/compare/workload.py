@@ -20,7 +20,6 @@ a mean over the share, so the mean over ranks is the global batch's loss.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,6 +29,7 @@ from torch import Tensor, nn
 
 from zerobridge.errors import ConfigError
 from zerobridge.models import PRESETS, SyntheticTokens, no_weight_decay, tiny_gpt
+from zerobridge.references import resolve_callable
 
 __all__ = ["BUILTIN", "Workload", "adamw", "resolve_model", "tiny_gpt_workload"]
 
@@ -98,19 +98,8 @@ def resolve_model(ref: str, *, global_batch: int | None = None,
     if global_batch is not None or seq_len is not None:
         raise ConfigError("--global-batch and --seq-len shape the built-in model only", key="--model",
                           fix="drop them: the factory's Workload decides its own batches")
-    try:
-        obj: object = importlib.import_module(head)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import module {head!r}: {exc}", key="--model",
-                          fix="check the name, and that the module is on PYTHONPATH for every rank") from None
-    for part in tail.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"module {head!r} has no attribute {tail!r}", key="--model",
-                              fix="name a function that takes a seed and returns a zerobridge.compare.Workload")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{ref!r} is not callable", key="--model",
-                          fix="name a function that takes a seed and returns a zerobridge.compare.Workload")
+    obj = resolve_callable(ref, key="--model", wants="a function that takes a seed and returns a "
+                                                     "zerobridge.compare.Workload")
     return _checked(obj, ref)
 
 

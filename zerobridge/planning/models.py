@@ -29,7 +29,6 @@ depths and extends the line to the full one); ``None`` for a factory.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from torch import Tensor, nn
 from zerobridge.errors import ConfigError
 from zerobridge.models import PRESETS, TinyGPT
 from zerobridge.models.tiny_gpt import GPTConfig
+from zerobridge.references import resolve_callable
 
 __all__ = ["SHAPES", "ModelSource", "resolve_model"]
 
@@ -148,20 +148,7 @@ def _hf(name: str, config_dict: dict[str, Any], where: str) -> ModelSource:
 
 
 def _factory(ref: str) -> ModelSource:
-    head, _, tail = ref.partition(":")
-    try:
-        obj: object = importlib.import_module(head)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import module {head!r}: {exc}", key="MODEL",
-                          fix="check the name, and that the module is on PYTHONPATH") from None
-    for part in tail.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"module {head!r} has no attribute {tail!r}", key="MODEL",
-                              fix="name a function that returns the nn.Module to plan for")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{ref!r} is not callable", key="MODEL", fix="name a function returning an nn.Module")
-    factory = obj
+    factory = resolve_callable(ref, key="MODEL", wants="a function that returns the nn.Module to plan for")
 
     def build(depth: int | None) -> nn.Module:
         made = factory()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from zerobridge.compare.worker import train
 from zerobridge.testing import parity
 
 __all__ = ["run_on_nodes", "train_on_nodes"]
@@ -34,8 +35,6 @@ def run_on_nodes(*, ranks_per_node: int, **kwargs: Any) -> parity.RunResult:
 
 def train_on_nodes(*, ranks_per_node: int, **kwargs: Any) -> Any:
     """``zerobridge.compare.worker.train(**kwargs)`` with ``ranks_per_node`` ranks to a node."""
-    from zerobridge.compare.worker import train  # lazy: the compare worker loads the workloads
-
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     try:
