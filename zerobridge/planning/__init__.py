@@ -20,6 +20,14 @@ has the measured accuracy).
 
 from __future__ import annotations
 
-from zerobridge.planning.planner import Plan, Row, plan
+from typing import Any
 
 __all__ = ["Plan", "Row", "plan"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from zerobridge.planning import planner  # lazy: torch, which registering `zerobridge plan` never needs
+
+        return getattr(planner, name)
+    raise AttributeError(f"module 'zerobridge.planning' has no attribute {name!r}")

@@ -18,8 +18,6 @@ from pathlib import Path
 
 from zerobridge.checkpoint.storage import atomic_write_file
 from zerobridge.errors import ConfigError
-from zerobridge.planning.planner import plan
-from zerobridge.planning.report import no_fit_message, render, to_json
 from zerobridge.translate.formats import TARGETS, YAML_TARGETS, write
 from zerobridge.translate.run_level import with_run_settings
 
@@ -83,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
                           fix="add --to deepspeed (or another format), or drop -o")
     if args.json and args.to is not None and args.output is None:
         raise ConfigError("--json and --to both want stdout", key="--to", fix="add -o FILE for the config")
+    from zerobridge.planning import planner, report  # lazy: torch, which registering the subcommand never needs
+
+    plan, render, to_json, no_fit_message = planner.plan, report.render, report.to_json, report.no_fit_message
     result = plan(args.model, world_size=args.world_size, nodes=args.nodes, device_memory=args.device_memory,
                   host_memory=args.host_memory, micro_batch=args.micro_batch, seq_len=args.seq_len,
                   accumulation=args.accumulation, precision=args.precision, optimizer=args.optimizer,
