@@ -117,7 +117,7 @@ def test_a_deep_model_is_extended_from_two_depths(stage: int) -> None:
     assert extended.tiers == pytest.approx(whole.tiers, rel=1e-6, abs=16)
     for phase in ("forward", "backward", "step"):
         assert extended.peaks[phase] == pytest.approx(whole.peaks[phase], rel=0.02)
-    dist.destroy_process_group()
+    assert not dist.is_initialized()  # the fake group is gone with the run
 
 
 # ----------------------------------------------------------------- real configs

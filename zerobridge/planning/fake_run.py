@@ -9,7 +9,8 @@
     >>> m = run_once(source, spec_for_stage(3, source.build()), run)
     >>> m.model_states["params"] * 4 >= 118400 * 4, m.comm_bytes["all_gather"] > 0
     (True, True)
-    >>> dist.destroy_process_group()
+    >>> dist.is_initialized()                 # the fake group lived for the run only
+    False
 
 The rank is rank 0 of a fake process group of ``world_size`` ranks
 (``init_process_group("fake")``: every collective returns at once, moving
@@ -83,22 +84,21 @@ class Measured:
 
 @contextmanager
 def fake_world(world_size: int, ranks_per_node: int) -> Iterator[None]:
-    """Rank 0 of a fake process group of ``world_size`` ranks, ``ranks_per_node`` to a node."""
+    """Rank 0 of a fake process group of ``world_size`` ranks, ``ranks_per_node`` to a node, for the
+    block; the group is destroyed after it, so nothing later in the process sees it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: torch's test tree, planning only
 
-    if dist.is_initialized() and dist.get_backend() != "fake":
+    if dist.is_initialized():
         raise ConfigError("this process already has a process group, and a plan runs rank 0 of a fake one",
                           key="world_size", fix="plan before init_process_group, or with workers=2 or more "
                                                 "(each candidate then runs in a fresh process)")
-    if dist.is_initialized() and dist.get_world_size() != world_size:
-        dist.destroy_process_group()
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        if not dist.is_initialized():
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         yield
     finally:
+        dist.destroy_process_group()
         if saved is None:
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
