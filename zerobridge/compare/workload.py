@@ -28,12 +28,12 @@ import torch
 from torch import Tensor, nn
 
 from zerobridge.errors import ConfigError
-from zerobridge.models import PRESETS, SyntheticTokens, no_weight_decay, tiny_gpt
+from zerobridge.models import REFERENCE, SyntheticTokens, no_weight_decay, preset_named, tiny_gpt
 from zerobridge.references import resolve_callable
 
 __all__ = ["BUILTIN", "Workload", "adamw", "resolve_model", "tiny_gpt_workload"]
 
-BUILTIN = "tiny-gpt"
+BUILTIN = REFERENCE
 
 
 def _call(model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
@@ -83,14 +83,10 @@ def resolve_model(ref: str, *, global_batch: int | None = None,
     factory of the user's decides its own. Raises ``ConfigError`` naming
     the fix when the reference does not resolve.
     """
-    head, sep, tail = ref.partition(":")
-    if head == BUILTIN:
-
-        preset = tail if sep else "tiny"
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown preset {preset!r} for the built-in model", key="--model",
-                              fix=f"use {BUILTIN}:" + f" or {BUILTIN}:".join(PRESETS))
+    preset = preset_named(ref, key="--model")
+    if preset is not None:
         return partial(tiny_gpt_workload, preset=preset, global_batch=global_batch or 8, seq_len=seq_len or 16)
+    head, sep, tail = ref.partition(":")
     if not sep or not head or not tail:
         raise ConfigError(f"--model {ref!r} is neither the built-in model nor pkg.module:factory", key="--model",
                           fix=f"use {BUILTIN}, {BUILTIN}:20m, or an importable module and a function, "

@@ -41,7 +41,8 @@ __all__ = ["Pending", "all_gather", "all_reduce", "all_to_all", "broadcast", "br
 
 # kind -> (torch >= 2.13 name, the older name of the same collective)
 _FLAT_NAMES: dict[str, tuple[str, str]] = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
-                                           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+                                           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+                                           "all_to_all": ("all_to_all_single", "all_to_all_single")}
 
 
 class Pending(Protocol):
@@ -61,8 +62,8 @@ DONE: Pending = _Done()
 
 
 def flat_collective(kind: str) -> Callable[..., Any]:
-    """torch's flat single-tensor ``kind`` (``all_gather`` or ``reduce_scatter``): the 2.13
-    name when this torch has it, else the older one.
+    """torch's flat single-tensor ``kind`` (``all_gather``, ``reduce_scatter`` or ``all_to_all``):
+    the 2.13 name when this torch has it, else the older one (``all_to_all_single`` has one name).
 
     Looked up at every call, so a test can hide the new names.
     """
@@ -120,15 +121,7 @@ def all_to_all(output: torch.Tensor, source: torch.Tensor, group: dist.ProcessGr
                async_op: bool = False) -> Pending:
     """Rank ``i`` sends ``source``'s ``j``-th equal piece to rank ``j``, which writes it as the
     ``i``-th piece of its ``output`` (rank-major pieces)."""
-    size = _size(group)
-    if size == 1:
-        if not same_memory(source, output):
-            output.copy_(source)
-        return DONE
-    _check_host(source, group)
-    stats.record("all_to_all", source.numel() * source.element_size(), group_size=size)
-    work = dist.all_to_all_single(output, source, group=group, async_op=async_op)
-    return work if async_op else DONE
+    return _flat("all_to_all", output, source, source, group, stats, async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats, *,

@@ -12,14 +12,17 @@ from __future__ import annotations
 from zerobridge.models.data import SyntheticTokens, shard
 from zerobridge.models.tiny_gpt import (
     PRESETS,
+    REFERENCE,
     Block,
     GPTConfig,
     TinyGPT,
     count_params,
     no_weight_decay,
+    preset_named,
     preset_table,
     tiny_gpt,
 )
 
-__all__ = ["PRESETS", "Block", "GPTConfig", "SyntheticTokens", "TinyGPT", "count_params", "no_weight_decay",
-           "preset_table", "shard", "tiny_gpt"]
+__all__ = ["PRESETS", "REFERENCE", "Block", "GPTConfig", "SyntheticTokens", "TinyGPT", "count_params",
+           "no_weight_decay",
+           "preset_named", "preset_table", "shard", "tiny_gpt"]

@@ -40,7 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["no_weight_decay", "PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "TinyGPT", "count_params",
+from zerobridge.errors import ConfigError
+
+__all__ = ["no_weight_decay", "PRESETS", "REFERENCE", "preset_named",
+           "Block", "CausalSelfAttention", "GPTConfig", "MLP", "TinyGPT", "count_params",
            "preset_table", "tiny_gpt"]
 
 INIT_STD = 0.02
@@ -216,6 +219,29 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+REFERENCE = "tiny-gpt"
+"""How commands name this model: ``tiny-gpt`` (the ``tiny`` preset) or ``tiny-gpt:PRESET``."""
+
+
+def preset_named(ref: str, *, key: str) -> str | None:
+    """The preset ``ref`` names when it names this model (``tiny-gpt``, ``tiny-gpt:20m``), else
+    ``None``; ``ConfigError`` at ``key`` for a preset that does not exist.
+
+        >>> preset_named("tiny-gpt:20m", key="--model"), preset_named("tiny-gpt", key="--model")
+        ('20m', 'tiny')
+        >>> preset_named("pkg.mod:f", key="--model") is None
+        True
+    """
+    head, sep, tail = ref.partition(":")
+    if head != REFERENCE:
+        return None
+    preset = tail if sep else "tiny"
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r} of the built-in model", key=key,
+                          fix=f"use {REFERENCE}:" + f" or {REFERENCE}:".join(PRESETS))
+    return preset
 
 
 def tiny_gpt(preset: str = "tiny", *, seed: int = 0, **overrides: Any) -> TinyGPT:

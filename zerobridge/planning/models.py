@@ -39,13 +39,12 @@ import torch
 from torch import Tensor, nn
 
 from zerobridge.errors import ConfigError
-from zerobridge.models import PRESETS, TinyGPT
+from zerobridge.models import PRESETS, REFERENCE, TinyGPT, preset_named
 from zerobridge.models.tiny_gpt import GPTConfig
 from zerobridge.references import resolve_callable
 
 __all__ = ["SHAPES", "ModelSource", "resolve_model"]
 
-BUILTIN = "tiny-gpt"
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
@@ -110,7 +109,7 @@ def _gpt(preset: str) -> ModelSource:
         config = base if layers is None else GPTConfig(**{**base.__dict__, "n_layer": layers})
         return TinyGPT(config, device="meta")
 
-    name = BUILTIN if preset == "tiny" else f"{BUILTIN}:{preset}"
+    name = REFERENCE if preset == "tiny" else f"{REFERENCE}:{preset}"
     return ModelSource(name, build, base.n_layer, base.vocab_size, base.block_size, hf=False)
 
 
@@ -178,12 +177,8 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 def resolve_model(ref: str) -> ModelSource:
     """The model ``ref`` names (module docstring); ``ConfigError`` naming the fix otherwise."""
-    head, sep, tail = ref.partition(":")
-    if head == BUILTIN:
-        preset = tail if sep else "tiny"
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown preset {preset!r} of the built-in model", key="MODEL",
-                              fix=f"use {BUILTIN}:" + f" or {BUILTIN}:".join(PRESETS))
+    preset = preset_named(ref, key="MODEL")
+    if preset is not None:
         return _gpt(preset)
     if ref in SHAPES:
         return _hf(ref, SHAPES[ref], f"the built-in shape {ref}")
@@ -197,8 +192,9 @@ def resolve_model(ref: str) -> ModelSource:
         if not path.is_file():
             raise ConfigError(f"{path} does not exist", key="MODEL", fix="check the path")
         return _hf(str(path), _read_config(path), str(path))
+    head, sep, tail = ref.partition(":")
     if sep and head and tail:
         return _factory(ref)
-    names = ", ".join([BUILTIN, *(f"{BUILTIN}:{p}" for p in PRESETS if p != "tiny"), *SHAPES])
+    names = ", ".join([REFERENCE, *(f"{REFERENCE}:{p}" for p in PRESETS if p != "tiny"), *SHAPES])
     raise ConfigError(f"MODEL {ref!r} is not a built-in model, a config.json, a model directory or "
                       "pkg.module:factory", key="MODEL", fix=f"use one of {names}, or a path to config.json")
