@@ -17,7 +17,8 @@
   groups keep it; sharded groups allocate its storage only while gathered.
 - *shard* (1-D): this rank's pieces of ``full``; resident for sharded groups,
   unless the parameter tier keeps them away (``away``: a swap file or a host
-  tensor): then it has storage only while it is being gathered.
+  tensor) or a frozen group keeps them quantized (``away``: int8 codes and
+  scales): then it has storage only while it is being gathered.
 - *leaf*: per bucket, an autograd leaf aliasing the bucket's part of ``full``
   with its own version counter (so refilling ``full`` in backward does not
   trip autograd). Forward views of the parameters are cut from it, so its
@@ -42,6 +43,7 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.layout import BucketLayout, GroupLayout
 from zerobridge.engine.mesh import Mesh
+from zerobridge.engine.quantized_store import QuantizedRegion
 from zerobridge.engine.swapfile import FileRegion, HostRegion, Region
 from zerobridge.engine.tiers import ON_DEVICE, Home, Placement, Spaces, place, placeholder, release, reserve
 from zerobridge.engine.wire import all_gather_encoded
@@ -81,6 +83,9 @@ class GroupPlan:
     """How gradients travel in the reduce-scatter (``communication.wire.grad_reduce``)."""
     wire_block: int = 2048
     """Elements per scale block of the int wire formats."""
+    frozen_wire: WireFormat = WireFormat.FULL
+    """How a frozen group's shard is kept at rest (``communication.wire.frozen_weights``): ``int8`` keeps
+    codes and scales (``quantized_store.py``), read into the compute shard only while it is gathered."""
 
     @property
     def shard_dtype(self) -> torch.dtype:
@@ -115,7 +120,14 @@ class FlatGroup:
             self.shard = torch.empty(layout.shard_numel, dtype=plan.shard_dtype, device=device)
             self._copy_pieces(full if plan.shard_dtype == full.dtype else
                               self._flatten(originals, plan.shard_dtype, device), self.shard)
-            self.away = place(plan.shard_at, self.shard, spaces.parameters if spaces else None, pin=plan.pin_memory)
+            space = spaces.parameters if spaces else None
+            if plan.frozen_wire is WireFormat.INT8:
+                self.away = QuantizedRegion.encoding(self.shard, block_size=plan.wire_block)
+                moved = place(plan.shard_at, self.away.codes(), space, pin=plan.pin_memory)
+                if moved is not None:
+                    self.away = QuantizedRegion(moved, layout.shard_numel, plan.wire_block)
+            else:
+                self.away = place(plan.shard_at, self.shard, space, pin=plan.pin_memory)
             if n == 1 and not plan.gathered_copy:
                 self.full = self.shard
         self.leaves = [self._leaf(bucket) for bucket in layout.buckets]

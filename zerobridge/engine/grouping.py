@@ -21,7 +21,7 @@ from zerobridge.engine.plan import EnginePlan
 from zerobridge.engine.tiers import ON_DEVICE, Home, Spaces
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.wrap_units import ParamRef
-from zerobridge.spec import ParamSharding
+from zerobridge.spec import ParamSharding, WireFormat
 
 __all__ = ["build_groups", "persistent_params"]
 
@@ -43,7 +43,8 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
     group's master is a separate copy in the optimizer tier when the dtypes differ,
     when its shard is offloaded (the step then never needs the shard in memory) or
     when that tier is host memory apart from the device; a frozen group's master
-    (mixed precision only) lives where its shard does. With ``compute_copy="gathered"``
+    (mixed precision only) lives where its shard does, unless the shard is kept as int8
+    (``communication.wire.frozen_weights``): then there is none. With ``compute_copy="gathered"``
     a sharded group's shard is its master (``GroupPlan.gathered_copy``)."""
     offload = plan.offload
     shard_at = offload.parameters if sharding.sharded_at_rest else ON_DEVICE
@@ -54,13 +55,18 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
     separate = mixed and not gathered
     if trainable:
         separate = separate or shard_at.home is not Home.DEVICE or master_at.home is Home.HOST
+    # A frozen shard kept as int8 is its own (only) copy: no master beside it.
+    frozen_wire = plan.wire.frozen_weights if not trainable and sharding.sharded_at_rest else WireFormat.FULL
+    if frozen_wire is not WireFormat.FULL:
+        separate = False
     return GroupPlan(sharding=sharding, shard_grads=plan.grads_sharded, trainable=trainable,
                      compute_dtype=plan.compute_dtype, master_dtype=plan.master_dtype,
                      reduce_dtype=plan.reduce_dtype, accumulate_dtype=plan.accumulate_dtype,
                      keep_secondary=plan.secondary_size < plan.shard_size, separate_master=separate,
                      master_at=master_at, shard_at=shard_at, pin_memory=offload.pin_memory,
                      gathered_copy=gathered, param_wire=plan.wire.param_gather,
-                     grad_wire=plan.wire.grad_reduce, wire_block=plan.wire.block_size)
+                     grad_wire=plan.wire.grad_reduce, wire_block=plan.wire.block_size,
+                     frozen_wire=frozen_wire)
 
 
 def build_groups(refs: list[ParamRef], owner: list[int], units: int, plan: EnginePlan, mesh: Mesh,

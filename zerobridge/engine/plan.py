@@ -23,7 +23,7 @@ from torch import nn
 from zerobridge.engine.tiers import OffloadPlan, check_offload, plan_offload
 from zerobridge.errors import ConfigError
 from zerobridge.runtime.plan import RunPlan, hidden_size, plan_run, run_fields
-from zerobridge.spec import BackwardPrefetch, GroupSize, ParamSharding, StrategySpec, WireFormat, WireSpec, is_auto
+from zerobridge.spec import BackwardPrefetch, GroupSize, ParamSharding, StrategySpec, WireSpec, is_auto
 
 __all__ = ["EnginePlan", "check_runnable", "plan_engine"]
 
@@ -108,11 +108,6 @@ def plan_engine(spec: StrategySpec, model: nn.Module, *, world_size: int, local_
     parameter is; a meta-device model names the device it materializes on)."""
     run = plan_run(spec, world_size=world_size)
     sharding, comm = spec.sharding, spec.communication
-    if comm.wire.frozen_weights is not WireFormat.FULL:
-        raise ConfigError("communication.wire.frozen_weights='int8' (frozen shards stored as int8 at rest) is not run "
-                          "by the native engine", key="communication.wire.frozen_weights",
-                          fix="use frozen_weights 'full' (param_gather 'int8' still halves their gathers), or "
-                              "backend='deepspeed' on a GPU (zero_quantized_nontrainable_weights)")
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")

@@ -26,6 +26,7 @@ from zerobridge.engine.layout import GroupLayout
 from zerobridge.engine.master import master_shard
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.nvme_step import StateSwapper
+from zerobridge.engine.quantized_store import QuantizedRegion
 from zerobridge.engine.swapfile import FileRegion
 from zerobridge.engine.tiers import ON_DEVICE, Placement
 from zerobridge.runtime.comm_stats import CommStats
@@ -108,6 +109,8 @@ def group_bytes(group: FlatGroup) -> dict[tuple[str, str], int]:
         add("grads", "device", storage_bytes(group.grad_store) + storage_bytes(group.local_acc))
         add("grads", group.plan.master_at.resident_label, storage_bytes(group.optimizer_grads))
     for role, region, at in (("params", group.away, compute), (master_role, group.master_file, group.plan.master_at)):
+        if isinstance(region, QuantizedRegion):  # a frozen shard's int8 codes: where their bytes are
+            region = region.store
         if region is not None:
             add(role, "nvme" if isinstance(region, FileRegion) else at.resident_label, region.nbytes)
     return out

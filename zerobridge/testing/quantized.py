@@ -12,12 +12,20 @@ groups (a quantized reduction runs in two hops across them).
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerobridge
 from zerobridge.compare.worker import train
+from zerobridge.spec import StrategySpec
 from zerobridge.testing import parity
 
-__all__ = ["run_on_nodes", "train_on_nodes"]
+__all__ = ["LoraNet", "lora_run", "run_on_nodes", "train_on_nodes"]
 
 
 def run_on_nodes(*, ranks_per_node: int, **kwargs: Any) -> parity.RunResult:
@@ -44,3 +52,83 @@ def train_on_nodes(*, ranks_per_node: int, **kwargs: Any) -> Any:
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
             os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
+class LoraBlock(nn.Module):
+    """A frozen base projection with a trainable low-rank adapter beside it (LoRA)."""
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(width, rank, bias=False)
+        self.up = nn.Linear(rank, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+class LoraNet(nn.Module):
+    """A frozen embedding, frozen head and frozen blocks, trained through rank-4 adapters only:
+    almost every element is frozen, as in LoRA fine-tuning."""
+
+    _no_split_modules = ["LoraBlock"]
+
+    def __init__(self, seed: int = 0, *, vocab: int = 97, width: int = 96, depth: int = 3, rank: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, width)
+        self.embed.requires_grad_(False)
+        self.blocks = nn.ModuleList([LoraBlock(width, rank) for _ in range(depth)])
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).float().reshape(-1, self.head.out_features), targets.reshape(-1))
+
+
+def _lora_batch(step: int, rank: int, world: int, vocab: int = 97) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + 13)
+    data = torch.randint(0, vocab, (4 * world, 9), generator=g)[4 * rank:4 * (rank + 1)]
+    return data[:, :-1], data[:, 1:]
+
+
+def lora_run(*, spec: StrategySpec, steps: int = 4, seed: int = 0) -> dict[str, Any]:
+    """On every rank: ``LoraNet`` trained ``steps`` steps under ``spec`` (AdamW on the adapters), then
+    saved, loaded into a fresh prepared copy and stepped once more by both. Returns the losses, this
+    rank's ``zerobridge.stats`` bytes at rest, the frozen weights as the model hands them out
+    (``full_state_dict``) and the loss of the extra step for the run and for its reloaded copy."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = zerobridge.prepare(LoraNet(seed), config=spec)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(trainable, lr=1e-2)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, at: int) -> float:
+        loss = model(*_lora_batch(at, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total)
+        return float(total.item()) / world
+
+    model, opt = build()
+    losses = [step(model, opt, i) for i in range(steps)]
+    stats = zerobridge.stats(model)
+    frozen = {name: value.clone() for name, value in zerobridge.full_state_dict(model).items()
+              if name.startswith(("embed.", "head.")) or ".base." in name}
+    root = [tempfile.mkdtemp() if rank == 0 else ""]
+    dist.broadcast_object_list(root)
+    path = os.path.join(root[0], "ckpt")
+    zerobridge.save_checkpoint(path, model, opt)
+    again, again_opt = build()
+    zerobridge.load_checkpoint(path, again, again_opt)
+    reloaded = {name: value for name, value in zerobridge.full_state_dict(again).items() if name in frozen}
+    return {"losses": losses, "param_bytes": int(stats["param_bytes"]), "tier_bytes": dict(stats["tier_bytes"]),
+            "frozen": frozen, "reloaded": reloaded, "next": step(model, opt, steps),
+            "next_reloaded": step(again, again_opt, steps)}
