@@ -163,6 +163,7 @@ def test_frozen_int8_weights_hold_a_quarter_of_fp32_and_train_alike(cluster: Any
     run = cluster.run("zerobridge.testing.quantized:lora_run", spec=lora_spec(frozen_weights="int8"))[0]
     # ~93% of LoraNet is frozen; the adapters stay fp32: measured 0.286 of the fp32 run's bytes
     assert 0.25 < run["param_bytes"] / lora_full["param_bytes"] < 0.30
+    assert run["frozen_bytes"] / lora_full["frozen_bytes"] == pytest.approx(0.25, abs=0.003)  # codes + scales
     assert run["tier_bytes"]["device"] < 0.45 * lora_full["tier_bytes"]["device"]
     dev = deviation(SimpleNamespace(losses=run["losses"]), SimpleNamespace(losses=lora_full["losses"]))
     assert 1e-7 < max(dev) < BOUND["int8"], dev

@@ -289,6 +289,10 @@ def explain(
         comms.append(CommRow(kind, purpose, group, payload, _bus(kind, payload, group), count))
 
     wire = spec.communication.wire
+    if wire.frozen_weights is not WireFormat.FULL:
+        notes.append(f"frozen_weights={wire.frozen_weights.value}: frozen parameters (not counted apart here: every "
+                     f"parameter is taken as trainable) are held as {wire.frozen_weights.value} codes, about "
+                     f"1 + 4/{wire.block_size} bytes each per shard, with no master and no gradient")
     grad_count = micro if spec.batch.grad_sync is GradSync.EVERY_MICRO_STEP else 1
     if not s.optimizer_state:
         coll("all-reduce", "gradients", world_size, params * rdt.num_bytes, grad_count)
