@@ -299,7 +299,7 @@ def explain(
         if n != world_size:
             notes.append("nothing is sharded: the shard group is ignored and gradients are all-reduced over the world")
     elif wire.grad_reduce is not WireFormat.FULL and n > 1:
-        fmt, block = wire.grad_reduce, wire.block_size
+        fmt, block = wire.grad_reduce, wire.grad_block_size
         if 1 < local < n and n % local == 0:  # two hops: inside the node, then between nodes
             nodes = n // local
             coll("all-to-all", f"gradients inside the node ({fmt.value})", local,

@@ -82,7 +82,9 @@ class GroupPlan:
     grad_wire: WireFormat = WireFormat.FULL
     """How gradients travel in the reduce-scatter (``communication.wire.grad_reduce``)."""
     wire_block: int = 2048
-    """Elements per scale block of the int wire formats."""
+    """Elements per scale block of int8 parameter gathers and frozen weights."""
+    grad_block: int = 128
+    """Elements per scale block of quantized gradient reductions."""
     frozen_wire: WireFormat = WireFormat.FULL
     """How a frozen group's shard is kept at rest (``communication.wire.frozen_weights``): ``int8`` keeps
     codes and scales (``quantized_store.py``), read into the compute shard only while it is gathered."""

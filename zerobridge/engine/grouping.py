@@ -66,6 +66,7 @@ def _group_plan(plan: EnginePlan, *, sharding: ParamSharding, trainable: bool) -
                      master_at=master_at, shard_at=shard_at, pin_memory=offload.pin_memory,
                      gathered_copy=gathered, param_wire=plan.wire.param_gather,
                      grad_wire=plan.wire.grad_reduce, wire_block=plan.wire.block_size,
+                     grad_block=plan.wire.grad_block_size,
                      frozen_wire=frozen_wire)
 
 

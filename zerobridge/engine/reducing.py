@@ -78,7 +78,7 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
         if layout.shards == 1:  # stage 0: one all-reduce over the replicas
             work = collectives.all_reduce(y, mesh.replicate, group.stats, async_op=in_flight)
         elif plan.grad_wire is not WireFormat.FULL:  # quantized: all-to-alls summed in fp32 (engine/wire.py)
-            work = reduce_scatter_encoded(y, x, plan.grad_wire, plan.wire_block, mesh.reduce, group.stats,
+            work = reduce_scatter_encoded(y, x, plan.grad_wire, plan.grad_block, mesh.reduce, group.stats,
                                           node=mesh.reduce_node, cross=mesh.reduce_cross, node_size=mesh.node_size)
         else:
             work = collectives.reduce_scatter(y, x, mesh.reduce, group.stats, async_op=in_flight)

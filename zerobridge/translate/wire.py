@@ -20,8 +20,8 @@ formats state schemes:
   ``zero_quantized_nontrainable_weights`` frozen weights stored int8. All three
   act at stage 3 only; DeepSpeed says nothing below it, we report them
   ignored there. DeepSpeed cuts its own quantization groups (about 8,000
-  elements for weights; for gradients by tensor shape): the spec's
-  ``block_size`` has no key.
+  elements for weights; for gradients ``max(rows, cols, world)`` groups per
+  tensor): the spec's ``block_size`` and ``grad_block_size`` have no key.
 - torchtitan ``[float8] enable_fsdp_float8_all_gather`` (and the newer
   ``[quantize.linear.float8]`` section): float8 parameter gathers with one
   scale per tensor. It works with torchtitan's float8 linear layers
@@ -100,9 +100,13 @@ def write_deepspeed_wire(spec: StrategySpec, stage: Stage, zero: dict[str, Any],
                    "differently")
             report.add(f"communication.wire.{field}", Status.APPROXIMATED,
                        f"{fmt.value} -> DeepSpeed's {ds_fmt.value} ({key}): {how}", target=target)
-    if wire.quantized and wire.block_size != 2048 and stage is Stage.PARAMETERS:
-        report.add("communication.wire.block_size", Status.NOT_EXPRESSIBLE,
-                   "DeepSpeed cuts its own quantization groups (about 8,000 elements for weights)")
+    if stage is Stage.PARAMETERS:
+        for field, fmt, default, how in (
+                ("block_size", wire.param_gather, 2048, "about 8,000 elements for weights"),
+                ("grad_block_size", wire.grad_reduce, 128, "max(rows, cols, world) groups per gradient: hidden-size groups for a square matrix")):
+            if fmt is not WireFormat.FULL and getattr(wire, field) != default:
+                report.add(f"communication.wire.{field}", Status.NOT_EXPRESSIBLE,
+                           f"DeepSpeed cuts its own quantization groups ({how})")
 
 
 def read_float8_gather(keys: SourceKeys, path: str, *, sharded: bool, consumer: str) -> WireFormat | None:
