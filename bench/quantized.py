@@ -35,23 +35,24 @@ RESULTS = ROOT / "bench" / "results" / "quantized.json"
 DOC = ROOT / "docs" / "quantized.md"
 BEGIN, END = "<!-- bench/quantized.py: begin -->", "<!-- bench/quantized.py: end -->"
 WORLD, PER_NODE = 4, 2
-CONFIGS: dict[str, dict[str, str]] = {
+CONFIGS: dict[str, dict[str, str | int]] = {
     "exact (bf16)": {},
     "qwZ (int8 gathers)": {"param_gather": "int8"},
     "qgZ (int4 reductions)": {"grad_reduce": "int4"},
+    "qgZ, blocks of 2048": {"grad_reduce": "int4", "grad_block_size": 2048},
     "qwZ + qgZ": {"param_gather": "int8", "grad_reduce": "int4"},
     "fp8 gathers": {"param_gather": "fp8"},
 }
 
 
-def _spec(wire: dict[str, str]) -> Any:
+def _spec(wire: dict[str, str | int]) -> Any:
     from zerobridge.models import tiny_gpt
     from zerobridge.spec import StrategySpec
     from zerobridge.spec.presets import spec_for_stage
 
     data = spec_for_stage(3, tiny_gpt("tiny")).model_dump(mode="json")
     data["precision"] = {"param_dtype": "bf16", "master_dtype": "fp32", "reduce_dtype": "bf16"}
-    data["communication"]["wire"] = wire
+    data["communication"]["wire"] = wire  # grad_block_size 128 unless a row says otherwise
     return StrategySpec.model_validate(data)
 
 
