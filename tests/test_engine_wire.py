@@ -187,3 +187,47 @@ def test_frozen_int8_weights_on_the_nvme_parameter_tier(cluster: Any, lora_full:
     on_device = cluster.run("zerobridge.testing.quantized:lora_run", spec=lora_spec(frozen_weights="int8"))[0]
     assert run["losses"] == on_device["losses"]                      # the same codes, wherever they are kept
     assert run["next_reloaded"] == run["next"]
+
+
+def test_world_2_qwz_qgz_and_frozen_int8() -> None:
+    """Two ranks: every payload quantized at once trains within bound of the exact run; frozen int8 too."""
+    with Cluster(2, timeout_s=300) as two:
+        exact = train(two, spec(precision=BF16), ranks_per_node=2)
+        both = train(two, spec(precision=BF16, param_gather="int8", grad_reduce="int4"), ranks_per_node=2)
+        frozen = train(two, spec(precision=BF16, param_gather="int8", frozen_weights="int8"), ranks_per_node=2)
+        gathers = train(two, spec(precision=BF16, param_gather="int8"), ranks_per_node=2)
+    assert 1e-6 < max(deviation(both, exact)) < BOUND["int4"]
+    assert comm(both, "all_to_all") < 0.3 * comm(exact, "reduce_scatter")
+    # ParityNet's frozen projection kept as int8 on top of int8 gathers: re-encoding decoded codes
+    # gives the same codes, so it trains as the gathers alone do, within int8's rounding of a scale
+    assert max(deviation(frozen, gathers)) < BOUND["int8"]
+    assert frozen.stats[-1]["param_bytes"] < gathers.stats[-1]["param_bytes"]
+
+
+def hybrid(**wire: str) -> StrategySpec:
+    data = spec(precision=BF16, **wire).model_dump(mode="json")
+    data["sharding"]["shard_group"] = "node"
+    return StrategySpec.model_validate(data)
+
+
+def test_hybrid_replicas_sum_quantized_gradients_too(cluster: Any) -> None:
+    """Shards inside a node, replicas across nodes (2 x 2): the all-reduce across replicas (the
+    inter-node traffic) travels as int4 too, as an all-to-all and an all-gather of the sums."""
+    exact, quantized = (train(cluster, hybrid(**w), ranks_per_node=2) for w in ({}, {"grad_reduce": "int4"}))
+    assert 1e-6 < max(deviation(quantized, exact)) < BOUND["int4"]
+    # what stays an all-reduce is the persistent (replicated) parameters' gradients: 4.8% of it here
+    assert comm(quantized, "all_reduce") < 0.1 * comm(exact, "all_reduce")
+    source = resolve_model("tiny-gpt:20m")
+    run = Run(world_size=WORLD, nodes=2, micro_batch=1, seq_len=32)
+    moved = run_once(source, hybrid(grad_reduce="int4"), run).comm_bytes
+    told = explain(hybrid(grad_reduce="int4"), params=source.params, world_size=WORLD, local_world_size=2)
+
+    def formula(collective: str) -> int:
+        return sum(c.bus_bytes_per_step for c in told.comms if c.collective == collective)
+
+    assert moved["all_to_all"] == pytest.approx(formula("all-to-all"), rel=0.005)
+    assert moved["all_gather"] == pytest.approx(formula("all-gather"), rel=0.005)
+    bf16 = explain(hybrid(), params=source.params, world_size=WORLD, local_world_size=2)
+    across = [c for c in bf16.comms if c.purpose == "gradient shard across replicas"][0].bus_bytes_per_step
+    quant_across = sum(c.bus_bytes_per_step for c in told.comms if "across replicas" in c.purpose)
+    assert quant_across / across < 0.3                                       # int4 both ways vs a bf16 all-reduce

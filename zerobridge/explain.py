@@ -310,8 +310,12 @@ def explain(
             coll("all-to-all", f"gradients ({fmt.value})", n, n * wire_bytes(fmt, shard, block), grad_count)
         notes.append(f"gradients travel as {fmt.value} in all-to-alls and are summed in fp32 on the owner; "
                      "scales are per block of each piece")
-        if replicas > 1:
-            coll("all-reduce", "gradient shard across replicas", replicas, shard * rdt.num_bytes, grad_count)
+        if replicas > 1:  # summed across replicas as quantized too: an all-to-all, then an all-gather
+            part = _ceil_div(shard, replicas)
+            coll("all-to-all", f"gradient shard across replicas ({fmt.value})", replicas,
+                 replicas * wire_bytes(fmt, part, block), grad_count)
+            coll("all-gather", f"gradient shard sums across replicas ({fmt.value})", replicas,
+                 replicas * wire_bytes(fmt, part, block), grad_count)
     else:
         coll("reduce-scatter", "gradients", n, shard * n * rdt.num_bytes, grad_count)
         if not s.gradients:

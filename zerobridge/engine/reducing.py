@@ -27,7 +27,7 @@ from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.streams import Role, Streams
-from zerobridge.engine.wire import reduce_scatter_encoded
+from zerobridge.engine.wire import all_reduce_encoded, reduce_scatter_encoded
 from zerobridge.runtime.tensors import same_memory
 from zerobridge.spec import WireFormat
 
@@ -98,7 +98,10 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
         with streams.on("replicate"):  # the reduced piece, summed over the replica groups
             streams.follow("replicate", scattered)
             streams.lend("replicate", y)
-            across = collectives.all_reduce(y, mesh.replicate, group.stats, async_op=in_flight)
+            if plan.grad_wire is not WireFormat.FULL:  # quantized across the (inter-node) replicas too
+                across = all_reduce_encoded(y, plan.grad_wire, plan.grad_block, mesh.replicate, group.stats)
+            else:
+                across = collectives.all_reduce(y, mesh.replicate, group.stats, async_op=in_flight)
         return Reduction(across, store, "replicate")
     return Reduction(work, reduced, "reduce")
 

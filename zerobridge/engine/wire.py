@@ -29,6 +29,11 @@ crosses once; between nodes only ``1 / node_size`` of the bucket per rank
 does, quantized. Every hop is counted in ``CommStats`` as ``all_to_all``, in
 the bytes that move.
 
+**All-reduces** (``all_reduce_encoded``: a hybrid layout's gradient shard summed
+across replicas, which crosses nodes): the same all-to-all, each rank summing
+one ``1 / replicas`` piece in fp32, then an encoded all-gather of the sums, so
+every replica decodes the same values and steps alike.
+
 A group of one rank moves nothing and rounds nothing.
 """
 
@@ -43,7 +48,7 @@ from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.wire_codecs import WireLayout, decode, encode_into, wire_layout
 from zerobridge.spec import WireFormat
 
-__all__ = ["EncodedGather", "all_gather_encoded", "reduce_scatter_encoded"]
+__all__ = ["EncodedGather", "all_gather_encoded", "all_reduce_encoded", "reduce_scatter_encoded"]
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -126,4 +131,23 @@ def reduce_scatter_encoded(output: torch.Tensor, full: torch.Tensor, fmt: WireFo
     else:
         summed = _exchange(full.view(ranks, piece), fmt, block_size, group, stats)
     output.copy_(summed.view(-1))
+    return DONE
+
+
+def all_reduce_encoded(tensor: torch.Tensor, fmt: WireFormat, block_size: int, group: dist.ProcessGroup | None,
+                       stats: CommStats) -> Pending:
+    """Sum ``tensor`` (flat) over the group in place, travelling as ``fmt`` twice: an all-to-all of
+    ``1 / G`` pieces summed in fp32 by their owner, then an encoded all-gather of the sums that every
+    rank (the owner included) decodes, so all ranks end with the same values. Runs to completion."""
+    ranks = _size(group)
+    if ranks == 1:
+        return DONE
+    count = tensor.numel()
+    piece = -(-count // ranks)
+    padded = torch.zeros(ranks * piece, dtype=tensor.dtype, device=tensor.device)
+    padded[:count].copy_(tensor.reshape(-1))
+    summed = _exchange(padded.view(ranks, piece), fmt, block_size, group, stats)
+    gathered = torch.empty(ranks * piece, dtype=torch.float32, device=tensor.device)
+    all_gather_encoded(gathered, summed, fmt, block_size, group, stats)
+    tensor.view(-1).copy_(gathered[:count])
     return DONE
