@@ -143,7 +143,7 @@ def test_unknown_parallelism_key_and_bad_values() -> None:
 
 def test_float8_all_gather_is_the_fp8_wire_format_in_both_sections() -> None:
     t = read("[float8]\nenable_fsdp_float8_all_gather = true\n")
-    assert t.report.find("float8.enable_fsdp_float8_all_gather").status is Status.EXACT
+    assert t.report.find("float8.enable_fsdp_float8_all_gather").status is Status.APPROXIMATED  # scale granularity
     assert t.value.communication.wire.param_gather.value == "fp8"
     new = read("[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\nrecipe_name = \"rowwise\"\n")
     assert new.value.communication.wire.param_gather.value == "fp8"

@@ -21,7 +21,8 @@ Three payloads can be quantized, each on its own:
   decodes into the gathered buffer, so every rank computes with the same
   values. ``int8``: block-wise symmetric with one fp32 scale per
   ``block_size`` elements (DeepSpeed's qwZ). ``fp8``: float8 e4m3 with one
-  fp32 scale per shard (torchao's float8 all-gather for FSDP2).
+  fp32 scale per shard (the format of torchao's float8 all-gather for FSDP2,
+  which scales per parameter tensor instead).
 - ``grad_reduce``: the gradient reduce-scatter (ZeRO-2 and 3). A quantized
   value cannot be summed on the wire, so the reduction becomes all-to-alls:
   each rank quantizes the pieces other ranks own, sends them, and sums what

@@ -41,6 +41,7 @@ from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.run_level import leave_to_script
 from zerobridge.translate.sources import Located, note_lenient, parse_json, read_text
+from zerobridge.translate.wire import FLOAT8_SCALES
 
 __all__ = ["read_accelerate"]
 
@@ -95,9 +96,9 @@ def read_accelerate(located: Located, *, base_dir: Path | None = None) -> Transl
     if mixed == "fp8" and isinstance(fp8, dict) and str(fp8.get("enable_fsdp_float8_all_gather")).lower() == "true":
         if kind == "FSDP" and spec.sharding.parameters.sharded_at_rest:
             spec = update_spec(spec, {"communication.wire.param_gather": WireFormat.FP8}, source=located.source)
-            report.add("fp8_config.enable_fsdp_float8_all_gather", Status.EXACT, "float8 e4m3 parameter "
-                       "all-gathers through torchao, one scale per tensor (the fp8 matmuls are reported with "
-                       "mixed_precision)", target="communication.wire.param_gather")
+            report.add("fp8_config.enable_fsdp_float8_all_gather", Status.APPROXIMATED, "float8 e4m3 parameter "
+                       f"all-gathers through torchao (the fp8 matmuls are reported with mixed_precision): "
+                       f"{FLOAT8_SCALES}", target="communication.wire.param_gather")
         else:
             report.add("fp8_config.enable_fsdp_float8_all_gather", Status.IGNORED, "takes effect only when FSDP "
                        "shards the parameters: nothing is gathered here", target="communication.wire.param_gather")

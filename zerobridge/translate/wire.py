@@ -24,7 +24,8 @@ formats state schemes:
   tensor): the spec's ``block_size`` and ``grad_block_size`` have no key.
 - torchtitan ``[float8] enable_fsdp_float8_all_gather`` (and the newer
   ``[quantize.linear.float8]`` section): float8 parameter gathers with one
-  scale per tensor. It works with torchtitan's float8 linear layers
+  scale per parameter tensor (its amax reduced over ranks); the spec's fp8
+  has one scale per rank's shard: read as approximated. It works with torchtitan's float8 linear layers
   (``converters = ["float8"]``): the fp8 matmuls have no spec form and are
   reported.
 - Accelerate ``mixed_precision: fp8`` with ``fp8_config.enable_fsdp_float8_all_gather``
@@ -54,6 +55,11 @@ DEEPSPEED_KEYS = {"param_gather": "zero_optimization.zero_quantized_weights",
 """Spec field of ``communication.wire`` -> DeepSpeed's ZeRO++ switch for it."""
 _DEEPSPEED_FORMAT = {"param_gather": WireFormat.INT8, "grad_reduce": WireFormat.INT4,
                      "frozen_weights": WireFormat.INT8}
+FLOAT8_SCALES = ("torchao scales each parameter tensor by its amax reduced over the ranks; the native engine "
+                 "scales each rank's shard of a wrap unit by its own amax: the same bytes, rounded at another "
+                 "granularity")
+"""How the spec's fp8 gathers differ from torchao's float8 all-gather (torchtitan, Accelerate)."""
+
 TORCHAO_RECIPE = ("torchao.float8.convert_to_float8_training(model, config=Float8LinearConfig("
                   "enable_fsdp_float8_all_gather=True)) before fully_shard")
 
@@ -120,8 +126,8 @@ def read_float8_gather(keys: SourceKeys, path: str, *, sharded: bool, consumer: 
         keys.mark(path, Status.IGNORED, f"{consumer} gathers float8 weights only when parameters are sharded: "
                                         "nothing is gathered here")
         return None
-    keys.mark(path, Status.EXACT, "float8 e4m3 parameter all-gathers, one scale per tensor "
-                                  "(communication.wire.param_gather = fp8)")
+    keys.mark(path, Status.APPROXIMATED, f"float8 e4m3 parameter all-gathers (communication.wire.param_gather = "
+                                         f"fp8): {FLOAT8_SCALES}")
     return WireFormat.FP8
 
 
