@@ -149,8 +149,9 @@ def test_two_gpus_match_the_reference(stage: int) -> None:
 
 
 @pytest.mark.skipif(GPUS < 2, reason="a quantized collective needs two ranks")
-@pytest.mark.parametrize("wire", [{"param_gather": "int8", "grad_reduce": "int4"}, {"param_gather": "fp8"}],
-                         ids=["qwz+qgz", "fp8"])
+@pytest.mark.parametrize("wire", [{"param_gather": "int8", "grad_reduce": "int4"}, {"param_gather": "fp8"},
+                                  {"param_gather": "int8", "frozen_weights": "int8"}],
+                         ids=["qwz+qgz", "fp8", "frozen-int8"])
 def test_quantized_collectives_on_nccl(wire: dict[str, str]) -> None:
     """The same encoded gathers and all-to-all reductions as on gloo, through NCCL: ranks agree and the
     run stays within the format's bound of the exact one (tests/test_engine_wire.py's bounds)."""

@@ -37,7 +37,7 @@ from zerobridge.runtime.comm_stats import CollectiveKind, CommStats
 from zerobridge.runtime.tensors import same_memory
 
 __all__ = ["Pending", "all_gather", "all_reduce", "all_to_all", "broadcast", "broadcast_module", "flat_collective",
-           "reduce_scatter"]
+           "group_size", "reduce_scatter"]
 
 # kind -> (torch >= 2.13 name, the older name of the same collective)
 _FLAT_NAMES: dict[str, tuple[str, str]] = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
@@ -72,7 +72,8 @@ def flat_collective(kind: str) -> Callable[..., Any]:
     return issue if issue is not None else getattr(dist, old)
 
 
-def _size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group``; ``None`` stands for a group of one (nothing to communicate)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -88,7 +89,7 @@ def _check_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
 def _flat(kind: CollectiveKind, output: torch.Tensor, source: torch.Tensor, full: torch.Tensor,
           group: dist.ProcessGroup | None, stats: CommStats, async_op: bool) -> Pending:
     """One flat single-tensor collective; ``full`` is the buffer the volume counts."""
-    size = _size(group)
+    size = group_size(group)
     if size == 1:
         if not same_memory(source, output):
             output.copy_(source)
@@ -127,7 +128,7 @@ def all_to_all(output: torch.Tensor, source: torch.Tensor, group: dist.ProcessGr
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats, *,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False) -> Pending:
     """Reduce ``tensor`` in place over the group (sum unless ``op`` says)."""
-    size = _size(group)
+    size = group_size(group)
     if size == 1:
         return DONE
     _check_host(tensor, group)
@@ -138,7 +139,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: Com
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats: CommStats) -> None:
     """Overwrite ``tensor`` on every rank with global rank ``src``'s copy."""
-    size = _size(group)
+    size = group_size(group)
     if size == 1:
         return
     _check_host(tensor, group)

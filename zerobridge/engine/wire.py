@@ -43,16 +43,12 @@ import torch
 import torch.distributed as dist
 
 from zerobridge.engine import collectives
-from zerobridge.engine.collectives import DONE, Pending
+from zerobridge.engine.collectives import DONE, Pending, group_size
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.wire_codecs import WireLayout, decode, encode_into, wire_layout
 from zerobridge.spec import WireFormat
 
 __all__ = ["EncodedGather", "all_gather_encoded", "all_reduce_encoded", "reduce_scatter_encoded"]
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 class EncodedGather:
@@ -75,7 +71,7 @@ class EncodedGather:
 def all_gather_encoded(output: torch.Tensor, shard: torch.Tensor, fmt: WireFormat, block_size: int,
                        group: dist.ProcessGroup | None, stats: CommStats, *, async_op: bool = False) -> Pending:
     """Gather every rank's ``shard`` into ``output`` (rank-major), travelling as ``fmt``."""
-    ranks = _size(group)
+    ranks = group_size(group)
     if ranks == 1:
         return collectives.all_gather(output, shard, group, stats, async_op=async_op)
     layout = wire_layout(fmt.value, shard.numel(), block_size)
@@ -118,7 +114,7 @@ def reduce_scatter_encoded(output: torch.Tensor, full: torch.Tensor, fmt: WireFo
     summed in fp32 from pieces that travelled as ``fmt``. With ``node`` and ``cross`` (the group's
     ranks on this node, and those at this rank's position on every node: ``node_size`` to a
     node), in two hops. Runs to completion (the decode needs the bytes)."""
-    ranks = _size(group)
+    ranks = group_size(group)
     if ranks == 1:
         return collectives.reduce_scatter(output, full, group, stats)
     piece = full.numel() // ranks
@@ -139,7 +135,7 @@ def all_reduce_encoded(tensor: torch.Tensor, fmt: WireFormat, block_size: int, g
     """Sum ``tensor`` (flat) over the group in place, travelling as ``fmt`` twice: an all-to-all of
     ``1 / G`` pieces summed in fp32 by their owner, then an encoded all-gather of the sums that every
     rank (the owner included) decodes, so all ranks end with the same values. Runs to completion."""
-    ranks = _size(group)
+    ranks = group_size(group)
     if ranks == 1:
         return DONE
     count = tensor.numel()

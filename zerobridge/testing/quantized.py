@@ -22,6 +22,7 @@ from torch import nn
 
 import zerobridge
 from zerobridge.compare.worker import train
+from zerobridge.engine.engine import Engine
 from zerobridge.engine.state import group_bytes
 from zerobridge.spec import StrategySpec
 from zerobridge.testing import parity
@@ -100,8 +101,9 @@ def _lora_batch(step: int, rank: int, world: int, vocab: int = 97) -> tuple[torc
 def lora_run(*, spec: StrategySpec, steps: int = 4, seed: int = 0) -> dict[str, Any]:
     """On every rank: ``LoraNet`` trained ``steps`` steps under ``spec`` (AdamW on the adapters), then
     saved, loaded into a fresh prepared copy and stepped once more by both. Returns the losses, this
-    rank's ``zerobridge.stats`` bytes at rest (and the frozen groups' alone), the frozen weights as the model hands them out
-    (``full_state_dict``) and the loss of the extra step for the run and for its reloaded copy."""
+    rank's ``zerobridge.stats`` bytes at rest (and the frozen groups' alone), the frozen weights as
+    the model hands them out (``full_state_dict``) and the loss of the extra step for the run and for
+    its reloaded copy."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -121,7 +123,8 @@ def lora_run(*, spec: StrategySpec, steps: int = 4, seed: int = 0) -> dict[str, 
     model, opt = build()
     losses = [step(model, opt, i) for i in range(steps)]
     stats = zerobridge.stats(model)
-    frozen_bytes = sum(nbytes for group in model.zerobridge_engine.groups if not group.plan.trainable
+    engine: Engine = getattr(model, "zerobridge_engine")  # noqa: B009 (an attribute prepare adds)
+    frozen_bytes = sum(nbytes for group in engine.groups if not group.plan.trainable
                        for (role, _), nbytes in group_bytes(group).items() if role == "params")
     frozen = {name: value.clone() for name, value in zerobridge.full_state_dict(model).items()
               if name.startswith(("embed.", "head.")) or ".base." in name}

@@ -109,7 +109,8 @@ def write_deepspeed_wire(spec: StrategySpec, stage: Stage, zero: dict[str, Any],
     if stage is Stage.PARAMETERS:
         for field, fmt, default, how in (
                 ("block_size", wire.param_gather, 2048, "about 8,000 elements for weights"),
-                ("grad_block_size", wire.grad_reduce, 128, "max(rows, cols, world) groups per gradient: hidden-size groups for a square matrix")):
+                ("grad_block_size", wire.grad_reduce, 128,
+                 "max(rows, cols, world) groups per gradient: hidden-size groups for a square matrix")):
             if fmt is not WireFormat.FULL and getattr(wire, field) != default:
                 report.add(f"communication.wire.{field}", Status.NOT_EXPRESSIBLE,
                            f"DeepSpeed cuts its own quantization groups ({how})")
