@@ -2,11 +2,11 @@
 
     >>> import torch
     >>> from zerobridge.engine.quantized_store import QuantizedRegion
-    >>> region = QuantizedRegion.encoding(torch.tensor([0.5, -1.0, 0.25, 2.0]), block_size=2)
+    >>> region = QuantizedRegion.encoding(torch.tensor([127.0, -64.0, 0.5, 254.0]), block_size=2)
     >>> region.nbytes                          # 4 int8 codes and 2 fp32 scales, not 16 bytes of fp32
     12
-    >>> region.read(1, torch.empty(2)).tolist()
-    [-1.0, 0.25]
+    >>> region.read(1, torch.empty(3)).tolist()  # 0.5 is under half a step (254 / 127 / 2) of its block
+    [-64.0, 0.0, 254.0]
 
 A frozen parameter (a LoRA base) never steps, so its shard need not be kept in
 the compute dtype between gathers: ``communication.wire.frozen_weights =
@@ -22,9 +22,9 @@ parameter tier puts them: the device, host memory or a swap file.
 Values round once when a block is written whole (at most half a scale step of
 the block's ``amax / 127``). Writing part of a block (loading parameter by
 parameter where a block spans two) decodes the block, replaces that part and
-encodes it again: elements written earlier move at most by half a step of the
-new scale each time the block's largest magnitude grows, and not at all when
-it does not.
+encodes it again: when that changes the block's largest magnitude, the
+elements written earlier round again to the new scale (at most half a new
+step each time); when it does not, they keep their values.
 """
 
 from __future__ import annotations
