@@ -177,6 +177,19 @@ def test_frozen_int8_weights_hold_a_quarter_of_fp32_and_train_alike(cluster: Any
     assert run["next_reloaded"] == run["next"]
 
 
+def test_frozen_int8_weights_materialized_from_the_meta_device(cluster: Any) -> None:
+    """Materialization writes parameter by parameter (blocks spanning two are written in parts): the
+    frozen values stay within one scale step of the same model materialized in full precision."""
+    full, int8 = (cluster.run("zerobridge.testing.quantized:lora_run", spec=lora_spec(**w), meta=True)[0]
+                  for w in ({}, {"frozen_weights": "int8"}))
+    amax = max(float(v.abs().max()) for v in full["frozen"].values())
+    for name, value in int8["frozen"].items():
+        assert 0 < float((value - full["frozen"][name]).abs().max()) <= amax / 127 * (1 + 1e-4), name
+    assert max(deviation(SimpleNamespace(losses=int8["losses"]), SimpleNamespace(losses=full["losses"]))) \
+        < BOUND["int8"]
+    assert int8["next_reloaded"] == int8["next"]
+
+
 def test_frozen_int8_weights_on_the_nvme_parameter_tier(cluster: Any, lora_full: dict[str, Any],
                                                        tmp_path: Any) -> None:
     offload = {"parameters": {"device": "nvme", "nvme_path": str(tmp_path)}}

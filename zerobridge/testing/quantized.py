@@ -11,6 +11,7 @@ groups (a quantized reduction runs in two hops across them).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any
@@ -98,16 +99,18 @@ def _lora_batch(step: int, rank: int, world: int, vocab: int = 97) -> tuple[torc
     return data[:, :-1], data[:, 1:]
 
 
-def lora_run(*, spec: StrategySpec, steps: int = 4, seed: int = 0) -> dict[str, Any]:
+def lora_run(*, spec: StrategySpec, steps: int = 4, seed: int = 0, meta: bool = False) -> dict[str, Any]:
     """On every rank: ``LoraNet`` trained ``steps`` steps under ``spec`` (AdamW on the adapters), then
     saved, loaded into a fresh prepared copy and stepped once more by both. Returns the losses, this
     rank's ``zerobridge.stats`` bytes at rest (and the frozen groups' alone), the frozen weights as
     the model hands them out (``full_state_dict``) and the loss of the extra step for the run and for
-    its reloaded copy."""
+    its reloaded copy. ``meta``: built on the meta device, materialized by ``prepare``."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = zerobridge.prepare(LoraNet(seed), config=spec)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            net = LoraNet(seed)
+        model = zerobridge.prepare(net, config=spec, device=torch.device("cpu") if meta else None)
         trainable = [p for p in model.parameters() if p.requires_grad]
         return model, torch.optim.AdamW(trainable, lr=1e-2)
 
