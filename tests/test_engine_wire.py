@@ -17,7 +17,7 @@ from zerobridge.planning.models import resolve_model
 from zerobridge.spec import PrecisionSpec, StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing.parity import ParityNet
-from zerobridge.testing.quantized import LoraNet
+from zerobridge.testing.quantized import lora_net
 
 WORLD = 4
 STEPS = 4
@@ -146,7 +146,7 @@ def test_a_stage_that_cannot_use_a_format_refuses_it(stage: int, wire: dict[str,
 
 
 def lora_spec(offload: dict[str, Any] | None = None, **wire: str) -> StrategySpec:
-    data = spec_for_stage(3, LoraNet(0)).model_dump(mode="json")
+    data = spec_for_stage(3, lora_net()).model_dump(mode="json")
     data["communication"]["wire"] = wire
     if offload:
         data["offload"] = offload
@@ -161,13 +161,13 @@ def lora_full(cluster: Any) -> dict[str, Any]:
 def test_frozen_int8_weights_hold_a_quarter_of_fp32_and_train_alike(cluster: Any, lora_full: dict[str, Any]) -> None:
     """LoRA: the frozen base kept as int8 codes and scales at rest, decoded at each gather."""
     run = cluster.run("zerobridge.testing.quantized:lora_run", spec=lora_spec(frozen_weights="int8"))[0]
-    # ~93% of LoraNet is frozen; the adapters stay fp32: measured 0.286 of the fp32 run's bytes
-    assert 0.25 < run["param_bytes"] / lora_full["param_bytes"] < 0.30
+    # 89% of lora_net is frozen; the adapters and the persistent head stay fp32: measured 0.308
+    assert 0.25 < run["param_bytes"] / lora_full["param_bytes"] < 0.33
     assert run["frozen_bytes"] / lora_full["frozen_bytes"] == pytest.approx(0.25, abs=0.003)  # codes + scales
-    assert run["tier_bytes"]["device"] < 0.45 * lora_full["tier_bytes"]["device"]
+    assert run["tier_bytes"]["device"] < 0.5 * lora_full["tier_bytes"]["device"]  # with the adapters' AdamW
     dev = deviation(SimpleNamespace(losses=run["losses"]), SimpleNamespace(losses=lora_full["losses"]))
     assert 1e-7 < max(dev) < BOUND["int8"], dev
-    original = LoraNet(0).state_dict()
+    original = lora_net().state_dict()
     for name, value in run["frozen"].items():
         error = (value - original[name]).abs().max().item()
         group_amax = max(original[n].abs().max().item() for n in run["frozen"])
@@ -196,7 +196,7 @@ def test_frozen_int8_weights_on_the_nvme_parameter_tier(cluster: Any, lora_full:
     run = cluster.run("zerobridge.testing.quantized:lora_run",
                       spec=lora_spec(offload, frozen_weights="int8"))[0]
     plain = cluster.run("zerobridge.testing.quantized:lora_run", spec=lora_spec(offload))[0]
-    assert 0.25 < run["tier_bytes"]["nvme"] / plain["tier_bytes"]["nvme"] < 0.30
+    assert 0.25 < run["tier_bytes"]["nvme"] / plain["tier_bytes"]["nvme"] < 0.33
     on_device = cluster.run("zerobridge.testing.quantized:lora_run", spec=lora_spec(frozen_weights="int8"))[0]
     assert run["losses"] == on_device["losses"]                      # the same codes, wherever they are kept
     assert run["next_reloaded"] == run["next"]

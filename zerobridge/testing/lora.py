@@ -25,7 +25,7 @@ from torch import nn
 import zerobridge
 from zerobridge.compare.memory import live_storages
 
-__all__ = ["LoraBlock", "LoraNet", "live_tensor_bytes", "run_lora", "run_lora_reference"]
+__all__ = ["LoraBlock", "LoraNet", "live_tensor_bytes", "lora_batch", "run_lora", "run_lora_reference"]
 
 
 class LoraBlock(nn.Module):
@@ -60,7 +60,8 @@ class LoraNet(nn.Module):
         return F.mse_loss(self.head(x).squeeze(-1), y)
 
 
-def _batch(step: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_batch(step: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s inputs (``rows x width``) and regression targets, the same on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(rows, width, generator=g), torch.randn(rows, generator=g)
 
@@ -76,7 +77,7 @@ def run_lora_reference(*, steps: int = 4, blocks: int = 8, width: int = 256, row
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.003)
     losses = []
     for step in range(steps):
-        loss = model(*_batch(step, rows, width))
+        loss = model(*lora_batch(step, rows, width))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -108,7 +109,7 @@ def run_lora(*, stage: int = 3, backend: str = "native", steps: int = 4, blocks:
     losses, peaks = [], []
     per = rows // world
     for step in range(steps):
-        x, y = _batch(step, rows, width)
+        x, y = lora_batch(step, rows, width)
         loss = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
         samples.clear()
         before = live_tensor_bytes() if measure else 0
