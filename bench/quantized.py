@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import statistics
 import sys
 from typing import Any
@@ -142,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.render:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        command = "python bench/quantized.py " + " ".join(sys.argv[1:])
+        command = shlex.join(["python", "bench/quantized.py", *sys.argv[1:]])
         if args.only:
             data = json.loads(RESULTS.read_text())
             if data["steps"] != args.steps:
