@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,9 +135,12 @@ def _extend(low: Measured, high: Measured, depths: tuple[int, int], full: int) -
 
 
 def _measure(source: ModelSource, spec: StrategySpec, run: Run, whole: bool = False) -> Measured:
-    if whole or source.layers is None or source.layers <= FULL_DEPTH:
-        return run_once(source, spec, run)
-    low, high = (run_once(source, spec, run, layers=d) for d in SHALLOW)
+    with warnings.catch_warnings():
+        # a plan measures training: a model whose config keeps a KV cache is planned as trained, without it
+        warnings.filterwarnings("ignore", message="activation checkpointing: .* dropped")
+        if whole or source.layers is None or source.layers <= FULL_DEPTH:
+            return run_once(source, spec, run)
+        low, high = (run_once(source, spec, run, layers=d) for d in SHALLOW)
     return _extend(low, high, SHALLOW, source.layers)
 
 
