@@ -215,7 +215,7 @@ def test_a_cpu_model_under_an_nccl_group_is_refused(monkeypatch: pytest.MonkeyPa
 def test_a_host_tensor_never_reaches_an_nccl_group(monkeypatch: pytest.MonkeyPatch, solo_group: None) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     _nccl_only(monkeypatch)
-    monkeypatch.setattr(collectives, "_size", lambda group: 2)  # a group of two ranks, as far as checks go
+    monkeypatch.setattr(collectives, "group_size", lambda group: 2)  # a group of two ranks, as far as checks go
     default = dist.distributed_c10d._get_default_group()
     stats = collectives.CommStats()
     for issue in (lambda: collectives.all_reduce(torch.ones(2), default, stats),
