@@ -78,25 +78,24 @@ class QuantizedRegion:
         hi = min(-(-(start + count) // size) * size, self.numel)
         return lo, hi, wire_layout("int8", hi - lo, size)
 
-    def _load(self, lo: int, run: WireLayout, device: torch.device) -> torch.Tensor:
-        """The bytes of the blocks from element ``lo`` (codes then scales, ``run``'s layout)."""
+    def _scales_at(self, lo: int, run: WireLayout) -> int:
+        """Byte offset in ``store`` of the scales of ``run``, the blocks from element ``lo``."""
+        return self.layout.payload_bytes + run.scale_bytes // run.blocks * (lo // run.block_size)
+
+    def _decoded(self, lo: int, run: WireLayout, device: torch.device) -> torch.Tensor:
+        """The blocks from element ``lo`` (``run``'s layout) decoded to fp32."""
         wire = torch.empty(run.wire_bytes, dtype=torch.uint8, device=device)
         self.store.read(lo, wire[:run.payload_bytes])
-        self.store.read(self.layout.payload_bytes + 4 * (lo // run.block_size), wire[run.payload_bytes:])
-        return wire
+        self.store.read(self._scales_at(lo, run), wire[run.payload_bytes:])
+        return decode(wire, run, torch.empty(run.numel, dtype=torch.float32, device=device))
 
     def read(self, start: int, out: torch.Tensor) -> torch.Tensor:
         """Decode elements ``[start, start + out.numel())`` into ``out`` (any float dtype); return it."""
         count = out.numel()
         if count == 0:
             return out
-        lo, hi, run = self._blocks(start, count)
-        if lo == start and hi == start + count and out.is_contiguous():
-            decode(self._load(lo, run, out.device), run, out.view(-1))
-            return out
-        values = decode(self._load(lo, run, out.device), run,
-                        torch.empty(hi - lo, dtype=torch.float32, device=out.device))
-        out.view(-1).copy_(values[start - lo:start - lo + count])
+        lo, _, run = self._blocks(start, count)
+        out.view(-1).copy_(self._decoded(lo, run, out.device)[start - lo:start - lo + count])
         return out
 
     def write(self, start: int, values: torch.Tensor) -> None:
@@ -109,9 +108,8 @@ class QuantizedRegion:
         if lo == start and hi == start + flat.numel():
             whole = flat
         else:
-            whole = decode(self._load(lo, run, flat.device), run,
-                           torch.empty(hi - lo, dtype=torch.float32, device=flat.device))
+            whole = self._decoded(lo, run, flat.device)
             whole[start - lo:start - lo + flat.numel()] = flat
         wire = encode_into(whole, run, torch.empty(run.wire_bytes, dtype=torch.uint8, device=flat.device))
         self.store.write(lo, wire[:run.payload_bytes])
-        self.store.write(self.layout.payload_bytes + 4 * (lo // run.block_size), wire[run.payload_bytes:])
+        self.store.write(self._scales_at(lo, run), wire[run.payload_bytes:])
