@@ -401,3 +401,56 @@ def test_load_checkpoint_without_latest_warns_and_loads_nothing(tmp_path: Path) 
     engine = _engine()
     with pytest.warns(UserWarning, match="nothing loaded"):
         assert engine.load_checkpoint(tmp_path) == (None, None)
+
+
+# --------------------------------------------------------------------------- no hidden random draws
+
+_RNG_PROBE = r'''
+import json, random, sys
+import numpy as np
+import torch
+from torch import nn
+import zerobridge
+import zerobridge.deepspeed as deepspeed
+
+
+def state():
+    cuda = [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+    return [torch.get_rng_state().tolist(), cuda, repr(random.getstate()), np.random.get_state()[1].tolist()]
+
+
+def net():
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+
+
+torch.manual_seed(0), random.seed(0), np.random.seed(0)
+changed = {}
+before = state()
+deepspeed.init_distributed()
+changed["init_distributed"] = state() != before
+for backend in ("native", "fsdp"):
+    for stage in (0, 3):
+        model = net()
+        before = state()
+        zerobridge.prepare(model, stage=stage, backend=backend, allow_approximate=True)
+        changed[f"prepare {backend} stage {stage}"] = state() != before
+model = net()
+before = state()
+deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                     config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+changed["initialize"] = state() != before
+print(json.dumps(changed))
+'''
+
+
+def test_entry_points_leave_the_random_state_alone() -> None:
+    """``init_distributed``, ``initialize`` and ``prepare`` draw no random numbers (torch CPU and CUDA, Python's
+    ``random``, numpy): a script seeded before them gets the same dropout masks whichever import line it has.
+    Fresh process: ``init_distributed`` is measured where it starts the group."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", _RNG_PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    changed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(changed) == 6 and not any(changed.values()), changed

@@ -129,15 +129,19 @@ def check_group_device(device: torch.device) -> None:
                           "backend=\"gloo\" (or \"cpu:gloo,cuda:nccl\") to train on the CPU")
 
 
-def init_distributed(model: torch.nn.Module, device: torch.device | None = None) -> None:
+def init_distributed(model: torch.nn.Module | None, device: torch.device | None = None) -> None:
     """Start the default process group unless there is one, then check it fits the model.
 
     Under a launcher: NCCL bound to ``cuda:$LOCAL_RANK`` (``set_device`` and
     ``device_id``) when the model is on CUDA, else gloo; under plain python a
     one-rank gloo group. ``device``: where the model will live (default:
-    where its parameters are).
+    where its parameters are; the CPU without a model). Draws no random
+    numbers: a script's seed holds across it.
     """
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device is not None:
+        device = torch.device(device)
+    else:
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
     if launched() and device.type != "cpu":
         device = bind_device(device)
     if not dist.is_initialized():

@@ -52,11 +52,12 @@ Params = Iterable[nn.Parameter] | Iterable[dict[str, Any]]
 def init_distributed(dist_backend: str | None = None, *, dist_init_required: bool | None = None,
                      **_launcher: Any) -> None:
     """Start the default process group from the launcher's variables (torchrun, ``zerobridge run``, the
-    ``deepspeed`` launcher), as DeepSpeed does: gloo on CPU, NCCL on GPUs unless ``dist_backend`` says."""
+    ``deepspeed`` launcher), as DeepSpeed does: gloo on CPU, NCCL on GPUs unless ``dist_backend`` says.
+    Leaves the random state alone (no module is built): a script's seed set before it holds after it."""
     if dist.is_initialized() or dist_init_required is False:
         return
     if dist_backend is None:
-        start_group(nn.Linear(1, 1))
+        start_group(None, torch.device("cpu"))
         return
     dist.init_process_group(dist_backend)
 

@@ -17,8 +17,12 @@ for several optimizer/scheduler pairs. A run is the shape DeepSpeed's tutorials 
         engine.backward(loss)
         engine.step()
 
-on ``Net`` (a two-layer MLP built from a fixed seed, its own MSE loss) and per-rank data drawn from a seed of
-(rank, micro-step), so every flavor, backend and stage sees the same numbers. ``--flavor real`` runs DeepSpeed;
+on ``Net`` (a two-layer MLP with dropout, built from a fixed seed, its own MSE loss) and per-rank data drawn from a
+seed of (rank, micro-step), so every flavor, backend and stage sees the same numbers. The dropout masks come from the
+global random state, seeded once by ``main`` *before* ``deepspeed.init_distributed()``, as DeepSpeed scripts do: an
+entry point that drew a random number (``init_distributed``, ``initialize``) would change every mask after it. A
+save and a resume reseed it (``reseed``: the start of a new epoch in a real script), so a resumed run draws the
+masks the uninterrupted one drew. ``--flavor real`` runs DeepSpeed;
 ``--flavor zerobridge`` runs ``zerobridge.deepspeed`` on the backend ``$ZEROBRIDGE_BACKEND`` names.
 
 Per micro-step it records the loss (each rank's, gathered), ``is_gradient_accumulation_boundary()`` before
@@ -48,7 +52,7 @@ from torch import nn
 from zerobridge.api import stats
 from zerobridge.backends.base import backend_of
 
-__all__ = ["CLIENT_STATE", "Net", "main", "micro_batch", "train"]
+__all__ = ["CLIENT_STATE", "DROPOUT", "Net", "main", "micro_batch", "reseed", "train"]
 
 CLIENT_STATE: dict[str, Any] = {"epoch": 3, "note": "x"}
 """What ``--save`` passes as ``client_state``."""
@@ -56,16 +60,26 @@ IN, HIDDEN, OUT = 8, 16, 4
 SEED = 1234
 
 
+DROPOUT = 0.25
+
+
 class Net(nn.Module):
-    """``Linear(8, 16) -> tanh -> Linear(16, 4)``; ``forward(x, y)`` is the mean squared error against ``y``."""
+    """``Linear(8, 16) -> tanh -> Dropout -> Linear(16, 4)``; ``forward(x, y)`` is the mean squared error
+    against ``y``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(IN, HIDDEN)
+        self.drop = nn.Dropout(DROPOUT)
         self.fc2 = nn.Linear(HIDDEN, OUT)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
+        return nn.functional.mse_loss(self.fc2(self.drop(torch.tanh(self.fc1(x)))), y)
+
+
+def reseed(step: int) -> None:
+    """Seed the global random state (the dropout masks) for micro-steps from ``step`` on."""
+    torch.manual_seed(SEED + 7919 * (step + 1) + dist.get_rank())
 
 
 def micro_batch(rank: int, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +110,9 @@ def trained_by(engine: Any) -> dict[str, Any]:
 def train(deepspeed: Any, config: Path, steps: int, *, save: Path | None = None, tag: str | None = None,
           save_at: int | None = None, resume: Path | None = None) -> dict[str, Any]:
     """One run of ``config`` through ``deepspeed`` (the real module or ``zerobridge.deepspeed``): what it records."""
-    torch.manual_seed(SEED)
-    model = Net()
+    with torch.random.fork_rng():  # the same weights every run; the masks' random state goes on untouched
+        torch.manual_seed(SEED)
+        model = Net()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=str(config))
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = int(engine.train_micro_batch_size_per_gpu())
@@ -111,6 +126,7 @@ def train(deepspeed: Any, config: Path, steps: int, *, save: Path | None = None,
                             "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                             "lr": _floats(engine.get_lr())}
         start = int(engine.global_steps) * accumulation
+        reseed(start)
     engine.train()
     for step in range(start, steps):
         x, y = micro_batch(rank, step, micro)
@@ -128,6 +144,7 @@ def train(deepspeed: Any, config: Path, steps: int, *, save: Path | None = None,
             "global_samples": int(engine.global_samples), "micro_steps": int(engine.micro_steps)})
         if save is not None and step + 1 == save_at:
             engine.save_checkpoint(str(save), tag=tag, client_state=dict(CLIENT_STATE))
+            reseed(step + 1)
     return record
 
 
@@ -155,6 +172,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     deepspeed = importlib.import_module("deepspeed" if args.flavor == "real" else "zerobridge.deepspeed")
+    torch.manual_seed(SEED + int(os.environ.get("RANK", "0")))  # the masks' seed, set before the group starts
     deepspeed.init_distributed()
     runs = {config.stem: train(deepspeed, config, args.steps,
                                save=None if args.save is None else args.save / config.stem, tag=args.tag,
