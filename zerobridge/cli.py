@@ -6,6 +6,7 @@
     zerobridge convert ds_config.json --to fsdp1 --explain    # plus the key-by-key report (stderr)
     zerobridge convert ds_config.json --trainer-args          # Trainer flags keeping its optimizer, scheduler
     zerobridge convert fsdp.yaml --to deepspeed --micro-batch 4 --clip 1.0   # concrete values for deepspeed.initialize
+    zerobridge convert fsdp.yaml --to deepspeed --model config.json          # buckets sized for that model
     zerobridge explain ds_config.json --params 7e9 --world-size 64
     zerobridge diff a.json b.yaml                             # same run or not, and what differs
     zerobridge strategies                                     # the registry, one line each
@@ -49,6 +50,8 @@ from zerobridge.load import load_spec
 from zerobridge.planning.cli import add_parser as add_plan_parser
 from zerobridge.planning.cli import run as run_plan
 from zerobridge.registry import strategies
+from zerobridge.spec import StrategySpec
+from zerobridge.translate.deepspeed_buckets import BucketSizes
 from zerobridge.translate.formats import SOURCES, TARGETS, YAML_TARGETS, write
 from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report
@@ -100,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--accumulation", type=_number, metavar="N", help="micro-batches per optimizer step")
     run.add_argument("--clip", type=_bound, metavar="X", help="gradient 2-norm bound; 0: no clipping")
     run.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute dtype")
+    run.add_argument("--model", metavar="MODEL",
+                     help="--to deepspeed: size the buckets the source leaves to the engine (FSDP's one collective "
+                          "per unit) to this model's largest wrap unit: a Hugging Face config.json or model "
+                          "directory (built on the meta device, no weights read), or a name zerobridge plan takes")
     trainer = c.add_mutually_exclusive_group()
     trainer.add_argument("--trainer-args", action="store_true",
                          help="print, on one line, the Hugging Face TrainingArguments flags that keep the source's "
@@ -189,7 +196,8 @@ def _convert(args: argparse.Namespace) -> int:
                                  clip=args.clip, precision=args.precision, world_size=args.world_size)
     spec = settings.value
     reports = [read.report, settings.report]
-    written = write(spec, args.to) if args.to else None
+    sizes = _model_sizes(args.model, spec, args.to) if args.model is not None else None
+    written = write(spec, args.to, sizes=sizes) if args.to else None
     if written is not None:
         reports.append(written.report)
     if args.explain:
@@ -212,6 +220,25 @@ def _convert(args: argparse.Namespace) -> int:
     elif args.trainer_code:
         print(trainer_form_of(spec).code)
     return 0
+
+
+def _model_sizes(model: str, spec: StrategySpec, target: str | None) -> BucketSizes | None:
+    """DeepSpeed's buckets for ``--model``: ``ConfigError`` (exit 2) naming the file when it cannot be built."""
+    if target != "deepspeed":
+        raise ConfigError(f"--model {model} sizes DeepSpeed's buckets, and --to is {target}", key="--model",
+                          fix="drop --model, or write --to deepspeed")
+    # lazy: torch and transformers, which the other conversions never need
+    from zerobridge.planning.models import resolve_model
+    from zerobridge.runtime.wrap_units import bucket_sizes
+
+    try:
+        built = resolve_model(model).build()
+    except ConfigError as exc:
+        raise ConfigError(exc.message, source=exc.source, key="--model", fix=exc.fix) from None
+    except Exception as exc:  # a config transformers reads but cannot build a model from
+        raise ConfigError(f"--model {model}: cannot build a model from it ({type(exc).__name__}: {exc})",
+                          key="--model", fix="give the model's own config.json (or its directory)") from None
+    return bucket_sizes(built, spec)
 
 
 def _explain(args: argparse.Namespace) -> int:

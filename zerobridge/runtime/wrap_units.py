@@ -14,6 +14,15 @@
 A unit's parameters are gathered, reduced and freed together. A parameter
 used by modules of several units (tied weights) belongs to their closest
 common enclosing unit, which is gathered for as long as all of them run.
+``bucket_sizes`` sizes DeepSpeed's buckets to the largest unit, for specs that
+leave them to the engine (``translate/deepspeed_buckets.py``):
+
+    >>> from zerobridge.spec import CommunicationSpec, StrategySpec
+    >>> spec = StrategySpec(wrapping=EveryModuleWrap(), communication=CommunicationSpec(reduce_bucket="per_unit"))
+    >>> bucket_sizes(model, spec)
+    BucketSizes(elements=6, unit='0')
+    >>> bucket_sizes(model, StrategySpec()) is None       # every bucket stated: nothing to size
+    True
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ import torch
 from torch import nn
 
 from zerobridge.errors import ConfigError
+from zerobridge.spec import StrategySpec
 from zerobridge.spec.wrapping import EveryModuleWrap, RootWrap, SizeWrap, TransformerWrap, WrapSpec
+from zerobridge.translate.deepspeed_buckets import BucketSizes
 
-__all__ = ["ParamRef", "collect_params", "layer_class_names", "owners", "unit_modules"]
+__all__ = ["ParamRef", "bucket_sizes", "collect_params", "layer_class_names", "owners", "unit_modules"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +167,21 @@ def owners(model: nn.Module, units: list[nn.Module], refs: list[ParamRef]) -> li
             common = common[:k]
         result.append(common[-1] if common else 0)
     return result
+
+
+def bucket_sizes(model: nn.Module, spec: StrategySpec) -> BucketSizes | None:
+    """DeepSpeed's bucket sizes for ``model`` cut by ``spec.wrapping``: its largest unit's parameter
+    count (tied parameters once, in the unit that owns them); ``None`` when ``spec`` leaves no bucket
+    to the engine. Every entry point that writes DeepSpeed for a known model calls it. Works on the
+    meta device."""
+    comm = spec.communication
+    if "per_unit" not in (comm.reduce_bucket, comm.allgather_bucket, comm.prefetch_bucket):
+        return None
+    units = unit_modules(model, spec.wrapping)
+    refs = collect_params(model)
+    counts = [0] * len(units)
+    for ref, owner in zip(refs, owners(model, units, refs)):
+        counts[owner] += ref.numel
+    largest = max(range(len(units)), key=counts.__getitem__)
+    names = {id(m): name for name, m in model.named_modules()}
+    return BucketSizes.for_unit(counts[largest], unit=names[id(units[largest])])

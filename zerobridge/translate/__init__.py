@@ -10,7 +10,8 @@ One reader module and one writer module per format (``deepspeed_read`` /
 they share), ``fsdp1``, ``fsdp2``, ``lightning``, ``torchtitan``), and the
 shared pieces: ``fsdp_common`` (what the two FSDP readers share) and
 ``fsdp_write`` (what their writers share), ``compute_copy`` (which layout of
-the 16-bit copy each flavor keeps), ``compilation`` (the compile settings of
+the 16-bit copy each flavor keeps), ``deepspeed_buckets`` (DeepSpeed's buckets
+for a spec that leaves them to the engine, and their bytes), ``compilation`` (the compile settings of
 each flavor), ``report``, ``mapping`` (tables in ``mappings/``), ``keys``
 (reading a source's keys through its table), ``sources`` (parsing with
 positions) and ``values`` (coercion). ``formats`` routes by format name.

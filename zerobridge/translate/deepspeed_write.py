@@ -35,6 +35,7 @@ from zerobridge.spec.stage import Stage
 from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
+from zerobridge.translate.deepspeed_buckets import BucketSizes, gathered_ahead, reduce_buffers
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.wire import write_deepspeed_wire
@@ -44,14 +45,15 @@ __all__ = ["write_deepspeed"]
 FORMAT = "deepspeed"
 
 
-def write_deepspeed(spec: StrategySpec) -> Translation[dict[str, Any]]:
-    """The DeepSpeed config that runs ``spec`` as closely as DeepSpeed can."""
+def write_deepspeed(spec: StrategySpec, sizes: BucketSizes | None = None) -> Translation[dict[str, Any]]:
+    """The DeepSpeed config that runs ``spec`` as closely as DeepSpeed can; ``sizes``: the buckets for
+    the model it will train, where the spec leaves them to the engine (``deepspeed_buckets.py``)."""
     report = Report(source="spec", target=FORMAT)
     stage = _stage(spec, report)
     zero: dict[str, Any] = {"stage": stage.value}
     _groups(spec, stage, zero, report)
     _offload(spec, stage, zero, report)
-    _communication(spec, stage, zero, report)
+    _communication(spec, stage, zero, report, sizes)
     write_deepspeed_wire(spec, stage, zero, report)
     _wrapping(spec, stage, zero, report)
     out: dict[str, Any] = {}
@@ -143,29 +145,60 @@ def _offload(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Rep
     zero["sub_group_size"] = spec.offload.sub_group_size
 
 
-def _bucket(spec_value: Any, name: str, report: Report, key: str, *, used: bool = True) -> Any:
-    if spec_value != "per_unit":
-        return spec_value
-    default = load_table(FORMAT).row(f"zero_optimization.{key}").default
+def _bucket(spec: StrategySpec, stage: Stage, name: str, key: str, report: Report, sizes: BucketSizes | None,
+            *, used: bool) -> Any:
+    """The value of bucket ``name`` (``zero_optimization.key``): the spec's own number or ``"auto"``
+    kept; ``per_unit`` sized from the model when ``sizes`` is known (``deepspeed_buckets.py``), else
+    ``"auto"`` where HF Trainer and Accelerate fill it from the model (the reduce bucket, and the
+    prefetch bucket at stage 3), else DeepSpeed's default, which then costs no memory."""
+    value = getattr(spec.communication, name)
+    if value != "per_unit":
+        return value
+    why = "one collective per wrap unit has no DeepSpeed form"
+    default = int(load_table(FORMAT).row(f"zero_optimization.{key}").default)
+    filled = name == "reduce_bucket" or (name == "prefetch_bucket" and stage is Stage.PARAMETERS)
+    if sizes is not None:
+        written: Any = getattr(sizes, name.removesuffix("_bucket"))
+        note = f"{why}; sized to {sizes.basis}: {_cost(name, written, stage, spec)}"
+    elif not filled:  # the all-gather bucket (no buffer), or prefetch below stage 3 (unused)
+        written = default
+        note = (f"{why}; DeepSpeed's default ({written:.0e} elements) written: it allocates no buffer of its own "
+                "(the all-gather after the step fills the flat parameter buffer), so memory is unchanged")
+    else:
+        written = AUTO
+        fills = "hidden_size^2" if name == "reduce_bucket" else "0.9 x hidden_size^2"
+        note = (f"{why}; written as \"auto\", which HF Trainer and Accelerate fill with {fills}; plain "
+                f"deepspeed.initialize drops \"auto\" for its default, {default:.0e} elements "
+                f"({_cost(name, default, stage, spec)}): pass --model config.json to zerobridge convert to size "
+                "it for the model")
     if used:
-        report.add(f"communication.{name}", Status.APPROXIMATED,
-                   f"one collective per wrap unit has no DeepSpeed form; DeepSpeed's default bucket "
-                   f"({default:.0e} elements) written", target=f"zero_optimization.{key}")
-    return default
+        report.add(f"communication.{name}", Status.APPROXIMATED, note, target=f"zero_optimization.{key}")
+    return written
 
 
-def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Report) -> None:
+def _cost(name: str, elements: int, stage: Stage, spec: StrategySpec) -> str:
+    dtype = spec.precision.param_dtype
+    if name == "reduce_bucket":
+        return reduce_buffers(elements, stage=stage.value, overlap=spec.communication.overlap_reduce, dtype=dtype)
+    if name == "prefetch_bucket":
+        return gathered_ahead(elements, dtype=dtype)
+    return "no buffer of its own (the all-gather after the step fills the flat parameter buffer)"
+
+
+def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Report,
+                   sizes: BucketSizes | None) -> None:
     comm = spec.communication
     zero["overlap_comm"] = comm.overlap_reduce
     # Every key is written at every stage (DeepSpeed accepts them all), so a
-    # config read back gives the same spec; only the ones the stage uses are
-    # reported when they had to be approximated.
-    zero["reduce_bucket_size"] = _bucket(comm.reduce_bucket, "reduce_bucket", report, "reduce_bucket_size",
+    # config read back gives the same numbers; only the ones the stage uses are
+    # reported when they had to be approximated. A per_unit bucket reads back
+    # as the size written for it (or "auto"): DeepSpeed has no per-unit form.
+    zero["reduce_bucket_size"] = _bucket(spec, stage, "reduce_bucket", "reduce_bucket_size", report, sizes,
                                          used=stage is not Stage.NONE or comm.overlap_reduce)
-    zero["allgather_bucket_size"] = _bucket(comm.allgather_bucket, "allgather_bucket", report,
-                                            "allgather_bucket_size", used=stage in (Stage.OPTIMIZER, Stage.GRADIENTS))
+    zero["allgather_bucket_size"] = _bucket(spec, stage, "allgather_bucket", "allgather_bucket_size", report, sizes,
+                                            used=stage in (Stage.OPTIMIZER, Stage.GRADIENTS))
     sharded = stage is Stage.PARAMETERS
-    prefetch = _bucket(comm.prefetch_bucket, "prefetch_bucket", report, "stage3_prefetch_bucket_size", used=sharded)
+    prefetch = _bucket(spec, stage, "prefetch_bucket", "stage3_prefetch_bucket_size", report, sizes, used=sharded)
     no_prefetch = not comm.forward_prefetch and comm.backward_prefetch is BackwardPrefetch.NONE
     if sharded and no_prefetch:
         prefetch = 0

@@ -24,6 +24,7 @@ from zerobridge.errors import ConfigError, closest
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.accelerate_write import write_accelerate_deepspeed, write_accelerate_fsdp
+from zerobridge.translate.deepspeed_buckets import BucketSizes
 from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.fsdp1 import read_fsdp1, write_fsdp1
@@ -104,12 +105,15 @@ def read_file(path: str | Path, fmt: str | None = None) -> Translation[StrategyS
     return read(parse_file(path), fmt)
 
 
-def write(spec: StrategySpec, target: str) -> Translation[Any]:
-    """Write ``spec`` in the ``--to`` format ``target``."""
+def write(spec: StrategySpec, target: str, *, sizes: BucketSizes | None = None) -> Translation[Any]:
+    """Write ``spec`` in the ``--to`` format ``target``; ``sizes``: DeepSpeed's buckets for the model
+    it will train, where the spec leaves them to the engine (read by the ``deepspeed`` target)."""
     if target not in TARGETS:
         suggestion = closest(target, TARGETS)
         raise ConfigError(f"unknown target {target!r}",
                           fix=f"did you mean {suggestion!r}?" if suggestion else f"use one of: {', '.join(TARGETS)}")
+    if target == "deepspeed":
+        return write_deepspeed(spec, sizes)
     return TARGETS[target](spec)
 
 

@@ -6,8 +6,9 @@
     >>> r.approximations[0].key
     'sharding'
     >>> r.add("communication.reduce_bucket", Status.NOT_EXPRESSIBLE, "FSDP communicates once per unit")
+    >>> r.add("compile", Status.NOT_EXPRESSIBLE, "FSDP2 takes no compile setting")
     >>> [(e.key, e.impact.value) for e in r.warnings], [e.key for e in r.speed_only]
-    ([('sharding', 'memory')], ['communication.reduce_bucket'])
+    ([('sharding', 'memory'), ('communication.reduce_bucket', 'memory')], ['compile'])
 
 Every entry says what it changes (``Impact``): the numbers the run computes,
 its memory, or only its speed. Warnings on stderr are for the first two; the
@@ -69,14 +70,18 @@ class Impact(StrEnum):
     """The same numbers in different memory: what is sharded, offloaded or
     gathered at once."""
     SPEED = "speed"
-    """The same numbers and memory at rest; only speed (buckets, prefetch,
-    compile) or logging."""
+    """The same numbers and memory at rest; only speed (prefetch timing,
+    overlap, compile) or logging. Bucket sizes are memory: DeepSpeed
+    preallocates its buckets."""
 
 
 IMPACTS: dict[str, Impact] = {
     "sharding": Impact.MEMORY, "sharding.world_size": Impact.NUMBERS,
     "offload": Impact.MEMORY, "wrapping": Impact.MEMORY,
     "communication": Impact.SPEED, "communication.wire": Impact.NUMBERS, "compile": Impact.SPEED,
+    "communication.reduce_bucket": Impact.MEMORY, "communication.allgather_bucket": Impact.MEMORY,
+    "communication.prefetch_bucket": Impact.MEMORY, "communication.max_live_parameters": Impact.MEMORY,
+    "communication.persistence_threshold": Impact.MEMORY, "communication.model_persistence_threshold": Impact.MEMORY,
     "precision": Impact.NUMBERS, "precision.compute_copy": Impact.MEMORY,
     "batch": Impact.NUMBERS, "batch.grad_sync": Impact.MEMORY,
     "checkpoint": Impact.NUMBERS, "checkpoint.activation_checkpointing": Impact.MEMORY,
@@ -85,7 +90,9 @@ IMPACTS: dict[str, Impact] = {
     "passthrough": Impact.SPEED,
 }
 """Spec path prefix -> what a difference there changes (the longest prefix wins).
-DeepSpeed's ``optimizer`` and ``scheduler`` sections keep their own names."""
+DeepSpeed's ``optimizer`` and ``scheduler`` sections keep their own names. Buckets,
+prefetch and the live-parameter bounds are memory: DeepSpeed preallocates its
+reduce buckets and holds what it gathers ahead (``translate/deepspeed_buckets.py``)."""
 
 
 def impact_of(*paths: str) -> Impact:

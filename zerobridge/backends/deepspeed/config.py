@@ -18,8 +18,10 @@ deepspeed`` (``zerobridge.translate.deepspeed_write``); its report decides:
   DeepSpeed's closest form runs and the entry is recorded.
 
 What DeepSpeed needs and the spec leaves open is filled: the batch keys
-(bookkeeping only, since the user's loop drives the steps),
-``"auto"`` sizes (Hugging Face's rules from the hidden size), and
+(bookkeeping only, since the user's loop drives the steps), ``"per_unit"``
+buckets sized to the model's largest wrap unit (``sizes``, which ``prepare``
+counts: ``zerobridge.runtime.wrap_units.bucket_sizes``), ``"auto"`` sizes
+(Hugging Face's rules from the hidden size), and
 ``zero_force_ds_cpu_optimizer: false`` so that optimizer offload runs the
 user's torch optimizer. Torch-free: the launcher checks specs with it.
 """
@@ -32,6 +34,7 @@ from typing import Any
 from zerobridge.errors import ConfigError
 from zerobridge.spec import CompileScope, DType, StrategySpec, is_auto
 from zerobridge.translate.carried import SECTIONS
+from zerobridge.translate.deepspeed_buckets import BucketSizes
 from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.report import Entry, Report, Status
 
@@ -117,9 +120,11 @@ def _walk(node: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool = False,
-                 hidden: int | None = None, accelerator: str = "cpu") -> DeepSpeedPlan:
+                 hidden: int | None = None, accelerator: str = "cpu",
+                 sizes: BucketSizes | None = None) -> DeepSpeedPlan:
     """The DeepSpeed config that runs ``spec`` on ``world_size`` ranks; ``ConfigError``
-    when DeepSpeed cannot run it exactly (unless ``allow_approximate``) or at all."""
+    when DeepSpeed cannot run it exactly (unless ``allow_approximate``) or at all. ``sizes``:
+    the buckets for the model, where the spec leaves them to the engine."""
     if spec.precision.param_dtype == DType.FP16:
         where = "on CPU DeepSpeed refuses fp16 (no fp16 optimizer without an accelerator)" if accelerator == "cpu" \
             else "fp16 needs DeepSpeed's loss scaling inside engine.backward, which the plain loss.backward() " \
@@ -132,7 +137,7 @@ def build_config(spec: StrategySpec, *, world_size: int, allow_approximate: bool
                           key="communication.wire", fix="use backend='native', which quantizes on any device "
                                                         "(docs/quantized.md), or run on a GPU")
     spec.sharding.check_world(world_size)
-    translation = write_deepspeed(spec)
+    translation = write_deepspeed(spec, sizes)
     config: dict[str, Any] = translation.value
     for section in SECTIONS:  # the script's to build (zerobridge.deepspeed.initialize does): never behind its back
         config.pop(section, None)

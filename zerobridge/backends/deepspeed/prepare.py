@@ -41,6 +41,7 @@ from zerobridge.runtime import comm_stats
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.deferred_init import Replay
 from zerobridge.runtime.plan import hidden_size
+from zerobridge.runtime.wrap_units import bucket_sizes
 from zerobridge.spec import StrategySpec
 
 __all__ = ["prepare"]
@@ -83,7 +84,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
     if world == 1:  # one process without a launcher: DeepSpeed still asks for LOCAL_RANK
         os.environ.setdefault("LOCAL_RANK", "0")
     plan = build_config(spec, world_size=world, allow_approximate=allow_approximate,
-                        hidden=hidden_size(model), accelerator=get_accelerator().device_name())
+                        hidden=hidden_size(model), accelerator=get_accelerator().device_name(),
+                        sizes=bucket_sizes(model, spec))
     bf16 = bool(plan.config["bf16"]["enabled"])
     # bf16: DeepSpeed builds its fp32 masters from the bf16 cast; keep the user's values to restore
     # (a meta-built model replays them instead).

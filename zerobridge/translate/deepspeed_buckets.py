@@ -1,0 +1,105 @@
+"""DeepSpeed's buckets for a spec that leaves them to the engine, and the memory each one costs.
+
+    >>> from zerobridge.spec import DType
+    >>> from zerobridge.translate.deepspeed_buckets import BucketSizes, reduce_buffers
+    >>> sizes = BucketSizes.for_unit(1_181_185, unit="model.layers.0")
+    >>> sizes.reduce, sizes.allgather, sizes.prefetch
+    (1181186, 1181186, 1181186)
+    >>> reduce_buffers(500_000_000, stage=2, overlap=True, dtype=DType.FP32)
+    'DeepSpeed preallocates 2 x reduce_bucket_size elements with overlap_comm: 3.73 GiB in fp32'
+
+FSDP, Accelerate, Lightning and torchtitan gather and reduce one wrap unit at
+a time (the spec's ``"per_unit"``): their transient buffers hold one unit's
+parameters or gradients. DeepSpeed sizes the same buffers by element counts
+(``zero_optimization``): at stages 1-2 it preallocates ``reduce_bucket_size``
+elements for gradient reduction, twice with ``overlap_comm``; at stage 3 one
+flat reduce bucket of that size; at stage 3 it gathers up to
+``stage3_prefetch_bucket_size`` parameter elements ahead of use. Its defaults
+(5e8 and 5e7 elements) are sized for billion-parameter layers: written for a
+small model they cost gigabytes the source flavor never holds.
+
+``BucketSizes`` sizes all three buckets (and ``allgather_bucket_size``) to
+the largest wrap unit's parameter count, so that a bucket holds what one of
+the source's collectives holds and no parameter is larger than a bucket.
+Counts are rounded up to even: DeepSpeed asserts that
+``allgather_bucket_size`` is a multiple of 2. Torch-free: the unit is counted
+by ``zerobridge.runtime.wrap_units.bucket_sizes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerobridge.spec import DType
+
+__all__ = ["BucketSizes", "gathered_ahead", "reduce_buffers", "size_text"]
+
+
+@dataclass(frozen=True)
+class BucketSizes:
+    """Element counts to write where the spec says ``"per_unit"``."""
+
+    elements: int
+    """The largest wrap unit's parameters, rounded up to even."""
+    unit: str
+    """Which unit that is (a module name; ``""``: the root), for the report."""
+
+    @classmethod
+    def for_unit(cls, numel: int, *, unit: str) -> BucketSizes:
+        """Sizes for a largest wrap unit of ``numel`` parameters."""
+        return cls(elements=max(2, numel + numel % 2), unit=unit)
+
+    @property
+    def reduce(self) -> int:
+        """``reduce_bucket_size``: one unit's gradients per reduction."""
+        return self.elements
+
+    @property
+    def allgather(self) -> int:
+        """``allgather_bucket_size``: one unit's parameters per all-gather after the step (stages 1-2)."""
+        return self.elements
+
+    @property
+    def prefetch(self) -> int:
+        """``stage3_prefetch_bucket_size``: one unit gathered ahead of use, as FSDP prefetches one unit."""
+        return self.elements
+
+    @property
+    def basis(self) -> str:
+        """The sentence the report gives for these sizes."""
+        where = f"'{self.unit}'" if self.unit else "the root module"
+        return f"{self.elements:,} elements, the largest wrap unit ({where})"
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in binary units with three significant digits: ``3.73 GiB``, ``120 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:#.3g}".rstrip(".") + f" {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _dtype(dtype: DType | str) -> DType:
+    """The dtype the buffers hold: ``"auto"`` costs at most fp32."""
+    return dtype if isinstance(dtype, DType) else DType.FP32
+
+
+def reduce_buffers(elements: int, *, stage: int, overlap: bool, dtype: DType | str) -> str:
+    """What DeepSpeed holds for a ``reduce_bucket_size`` of ``elements`` at ``stage``, with the bytes."""
+    held = _dtype(dtype)
+    if stage == 3:
+        return (f"DeepSpeed preallocates one flat reduce bucket of reduce_bucket_size elements: "
+                f"{size_text(elements * held.num_bytes)} in {held.value}")
+    if stage == 0:
+        return (f"DeepSpeed flattens up to reduce_bucket_size gradient elements per all-reduce: "
+                f"{size_text(elements * held.num_bytes)} in {held.value}")
+    copies = 2 if overlap else 1
+    return (f"DeepSpeed preallocates {copies} x reduce_bucket_size elements{' with overlap_comm' if overlap else ''}: "
+            f"{size_text(copies * elements * held.num_bytes)} in {held.value}")
+
+
+def gathered_ahead(elements: int, *, dtype: DType | str) -> str:
+    """What DeepSpeed gathers ahead of use for a ``stage3_prefetch_bucket_size`` of ``elements``."""
+    held = _dtype(dtype)
+    return (f"DeepSpeed gathers up to stage3_prefetch_bucket_size parameter elements ahead of use: "
+            f"{size_text(elements * held.num_bytes)} in {held.value}")
