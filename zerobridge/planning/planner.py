@@ -155,13 +155,36 @@ def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], 
     (each process holds its own fake process group)."""
     if workers <= 1 or not isinstance(model, (str, Path)) or len(specs) < 2:
         return [_measure(source, spec, run, whole) for spec in specs]
-    import multiprocessing  # lazy: only a parallel plan starts processes
-    from concurrent.futures import ProcessPoolExecutor
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
 
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no process group or threads inherited
-    with ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=context) as pool:
-        return list(pool.map(_measure_ref, [str(model)] * len(specs), specs, [run] * len(specs),
-                             [whole] * len(specs)))
+    # Each worker is a program of its own (``planning.worker``): a fresh interpreter that never
+    # re-imports the caller's script, so a plain script needs no ``__main__`` guard.
+    count = min(workers, len(specs))
+    batches = [list(range(i, len(specs), count)) for i in range(count)]
+    with tempfile.TemporaryDirectory(prefix="zerobridge-plan-") as folder:
+        started = []
+        for n, batch in enumerate(batches):
+            task, result = Path(folder, f"task{n}.pkl"), Path(folder, f"result{n}.pkl")
+            task.write_bytes(pickle.dumps((str(model), [specs[i] for i in batch], run, whole)))
+            with open(Path(folder, f"err{n}.log"), "wb") as err:  # a file: a full pipe would block the worker
+                started.append((subprocess.Popen([sys.executable, "-m", "zerobridge.planning.worker", str(task),
+                                                  str(result)], stdout=subprocess.DEVNULL, stderr=err), result))
+        measured: dict[int, Measured] = {}
+        for n, (batch, (proc, result)) in enumerate(zip(batches, started)):
+            proc.wait()
+            value = pickle.loads(result.read_bytes()) if result.exists() else None
+            if isinstance(value, Exception):
+                raise value
+            if not isinstance(value, list):
+                text = Path(folder, f"err{n}.log").read_text(errors="replace")
+                last = (text.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"a planning worker (python -m zerobridge.planning.worker) exited "
+                                   f"{proc.returncode} without a result: {last}")
+            measured.update(zip(batch, value))
+    return [measured[i] for i in range(len(specs))]
 
 
 def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, device_memory: int,
