@@ -21,6 +21,9 @@ stage 3, prefetch one unit ahead) with one thing changed:
     zero3-offload             parameters and optimizer on the host (ZeRO-Offload at stage 3)
     NAME+ac                   activation checkpointing of every unit (the wrap is one unit per
                               transformer layer at every stage, so recomputation is per layer)
+
+Written for DeepSpeed (``plan --to deepspeed``), a candidate's buckets are sized
+to the model's largest wrap unit (``deepspeed_form``).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from typing import Any
 
 from torch import nn
 
+from zerobridge.runtime.wrap_units import bucket_sizes
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 from zerobridge.spec.wrapping import EveryModuleWrap, TransformerWrap
+from zerobridge.translate.deepspeed_buckets import BucketSizes
 
-__all__ = ["Candidate", "candidates", "with_checkpointing"]
+__all__ = ["Candidate", "candidates", "deepspeed_form", "with_checkpointing"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +91,17 @@ def candidates(model: nn.Module, *, nodes: int, ranks_per_node: int, own: tuple[
         if not c.spec.checkpoint.activation_checkpointing:
             out.append(Candidate(f"{c.name}+ac", with_checkpointing(c.spec, model), own=True))
     return out
+
+
+def deepspeed_form(spec: StrategySpec, model: nn.Module, *, own: bool) -> tuple[StrategySpec, BucketSizes | None]:
+    """``spec`` as ``plan --to deepspeed`` writes it for ``model``, and the bucket sizes to write.
+
+    A planner-made candidate's bucket sizes are the spec's defaults (DeepSpeed's own 5e8 and 5e7
+    elements, which DeepSpeed preallocates: gigabytes on a small model), not a choice: they are left
+    to the engine and sized to the model's largest wrap unit, as FSDP runs them. The user's own
+    config (``own``) keeps the numbers it states."""
+    if not own:
+        comm = spec.communication.model_copy(update={"reduce_bucket": "per_unit", "allgather_bucket": "per_unit",
+                                                     "prefetch_bucket": "per_unit"})
+        spec = spec.model_copy(update={"communication": comm})
+    return spec, bucket_sizes(model, spec)

@@ -98,8 +98,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerobridge: {no_fit_message(result)}", file=sys.stderr)
         return 1
     if args.to is not None:
-        sized = with_run_settings(best.spec, world_size=args.world_size)
-        written = write(sized.value, args.to)
+        spec, sizes = with_run_settings(best.spec, world_size=args.world_size).value, None
+        if args.to == "deepspeed":  # buckets sized for the model, not DeepSpeed's 5e8 defaults
+            from zerobridge.planning.candidates import deepspeed_form
+            from zerobridge.planning.models import resolve_model
+
+            spec, sizes = deepspeed_form(spec, resolve_model(args.model).build(), own=best.own)
+        written = write(spec, args.to, sizes=sizes)
         for entry in written.report.warnings:
             print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
         text = _written(written.value, args.to)
