@@ -5,6 +5,9 @@
     zerobridge convert zero3-offload --to accelerate-fsdp     # registry names work as input
     zerobridge convert ds_config.json --to fsdp1 --explain    # plus the key-by-key report (stderr)
     zerobridge convert ds_config.json --trainer-args          # Trainer flags keeping its optimizer, scheduler
+    zerobridge convert train.sh --to trainer-deepspeed -o ds.json   # a Trainer launch script's run as DeepSpeed
+    zerobridge convert ds_config.json --to trainer-fsdp -o fsdp.json  # fsdp_config to -o, its flags on stdout
+    zerobridge convert llama3_8b.toml --to torchtitan         # a torchtitan job TOML
     zerobridge convert fsdp.yaml --to deepspeed --micro-batch 4 --clip 1.0   # concrete values for deepspeed.initialize
     zerobridge convert fsdp.yaml --to deepspeed --model config.json          # buckets sized for that model
     zerobridge explain ds_config.json --params 7e9 --world-size 64
@@ -31,7 +34,6 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -52,11 +54,12 @@ from zerobridge.planning.cli import run as run_plan
 from zerobridge.registry import strategies
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.deepspeed_buckets import BucketSizes
-from zerobridge.translate.formats import SOURCES, TARGETS, YAML_TARGETS, write
+from zerobridge.translate.formats import SOURCES, TARGETS, render, write
 from zerobridge.translate.keys import from_validation_error
 from zerobridge.translate.report import Report
 from zerobridge.translate.run_level import trainer_run_flags, with_run_settings
 from zerobridge.translate.trainer_args import trainer_form_of
+from zerobridge.translate.trainer_write import TrainerLaunch
 
 __all__ = ["main"]
 
@@ -179,14 +182,6 @@ def _emit(text: str, output: Path | None) -> None:
     atomic_write_file(output, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def _render(value: Any, target: str) -> str:
-    if target in YAML_TARGETS:
-        import yaml
-
-        return str(yaml.safe_dump(value, sort_keys=False))
-    return json.dumps(value, indent=2) + "\n"
-
-
 def _convert(args: argparse.Namespace) -> int:
     if args.to is None and not (args.trainer_args or args.trainer_code):
         raise ConfigError("convert needs --to FORMAT, --trainer-args or --trainer-code",
@@ -212,8 +207,13 @@ def _convert(args: argparse.Namespace) -> int:
         if args.output is None and (args.trainer_args or args.trainer_code):
             print(f"zerobridge: note: the {args.to} config is not printed beside the trainer output: pass -o FILE "
                   "to write it", file=sys.stderr)
+        elif isinstance(written.value, TrainerLaunch):  # the config to -o (inline without), the flags to stdout
+            if args.output is not None and written.value.config:
+                _emit(render(written.value.config, "json"), args.output)
+            path = str(args.output) if args.output is not None else None
+            sys.stdout.write(render(written.value, args.to, path))
         else:
-            _emit(_render(written.value, args.to), args.output)
+            _emit(render(written.value, args.to), args.output)
     if args.trainer_args:
         flags = (*trainer_run_flags(spec), *trainer_form_of(spec).flags)
         print(" ".join(shlex.quote(f) for f in flags))

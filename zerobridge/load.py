@@ -28,7 +28,7 @@ from zerobridge.translate.sources import Located
 
 __all__ = ["load_spec"]
 
-_FILE_SUFFIXES = (".json", ".hjson", ".jsonc", ".yaml", ".yml", ".toml")
+_FILE_SUFFIXES = (".json", ".hjson", ".jsonc", ".yaml", ".yml", ".toml", ".sh", ".bash", ".args", ".flags", ".txt")
 
 
 def load_spec(source: str | Path | dict[str, Any] | StrategySpec, *,

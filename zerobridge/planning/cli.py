@@ -18,7 +18,8 @@ from pathlib import Path
 
 from zerobridge.checkpoint.storage import atomic_write_file
 from zerobridge.errors import ConfigError
-from zerobridge.translate.formats import TARGETS, YAML_TARGETS, write
+from zerobridge.translate.formats import TARGETS, write
+from zerobridge.translate.formats import render as render_config
 from zerobridge.translate.run_level import with_run_settings
 
 __all__ = ["add_parser", "run"]
@@ -66,14 +67,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="the plan as JSON on stdout")
 
 
-def _written(value: object, target: str) -> str:
-    if target in YAML_TARGETS:
-        import yaml  # lazy: only YAML targets need it
-
-        return str(yaml.safe_dump(value, sort_keys=False))
-    return json.dumps(value, indent=2) + "\n"
-
-
 def run(args: argparse.Namespace) -> int:
     """Plan, print, write; the exit code."""
     if args.output is not None and args.to is None:
@@ -107,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         written = write(spec, args.to, sizes=sizes)
         for entry in written.report.warnings:
             print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
-        text = _written(written.value, args.to)
+        text = render_config(written.value, args.to)
         if args.output is None:
             sys.stdout.write(text)
         else:

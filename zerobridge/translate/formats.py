@@ -14,6 +14,7 @@ module, after the spec's own reader and writer, which they list too).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,16 @@ from zerobridge.translate.deepspeed_write import write_deepspeed
 from zerobridge.translate.fsdp1 import read_fsdp1, write_fsdp1
 from zerobridge.translate.fsdp2 import read_fsdp2, write_fsdp2
 from zerobridge.translate.keys import from_validation_error
+from zerobridge.translate.launch_script import ScriptLocated, parse_flags_file, parse_launch_script
 from zerobridge.translate.lightning import write_lightning
 from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, note_lenient, parse_json, parse_toml, parse_yaml, read_text
 from zerobridge.translate.torchtitan import read_torchtitan
+from zerobridge.translate.torchtitan_write import toml_text, write_torchtitan
+from zerobridge.translate.trainer_read import read_trainer
+from zerobridge.translate.trainer_write import TrainerLaunch, write_trainer_deepspeed, write_trainer_fsdp
 
-__all__ = ["SOURCES", "TARGETS", "detect_format", "read", "read_file", "write"]
+__all__ = ["SOURCES", "TARGETS", "detect_format", "read", "read_file", "render", "write"]
 
 Reader = Callable[[Located], Translation[StrategySpec]]
 Writer = Callable[[StrategySpec], Translation[Any]]
@@ -44,6 +49,11 @@ YAML_TARGETS = frozenset({"accelerate-fsdp", "accelerate-deepspeed"})
 """Targets whose natural file form is YAML (Accelerate config files)."""
 
 _SPEC_KEYS = frozenset(StrategySpec.model_fields)
+_SCRIPT_SUFFIXES = (".sh", ".bash")
+_FLAGS_SUFFIXES = (".args", ".flags", ".txt")
+_TRAINER_KEYS = frozenset({"per_device_train_batch_size", "output_dir", "fsdp", "fsdp_config", "deepspeed",
+                           "learning_rate", "lr_scheduler_type", "max_grad_norm", "gradient_checkpointing", "optim"})
+"""``TrainingArguments`` fields no other format's top level holds."""
 
 
 def detect_format(located: Located) -> str:
@@ -51,6 +61,9 @@ def detect_format(located: Located) -> str:
     data = located.data
     keys = set(data)
     suffix = Path(located.source).suffix.lower()
+    trainer = isinstance(located, ScriptLocated) or keys & _TRAINER_KEYS - {"fsdp_config"}
+    if trainer and "distributed_type" not in keys:
+        return "trainer"
     if "distributed_type" in keys or "fsdp_config" in keys or "deepspeed_config" in keys:
         return "accelerate"
     if suffix == ".toml" and ("parallelism" in keys or "training" in keys or "job" in keys):
@@ -67,7 +80,7 @@ def detect_format(located: Located) -> str:
         return "deepspeed"
     raise located.error(
         "cannot tell which format this is",
-        fix="pass --from deepspeed|fsdp1|fsdp2|accelerate|torchtitan|spec")
+        fix="pass --from deepspeed|fsdp1|fsdp2|accelerate|torchtitan|trainer|spec")
 
 
 def parse_file(path: str | Path) -> Located:
@@ -79,11 +92,16 @@ def parse_file(path: str | Path) -> Located:
         return parse_yaml(text, source)
     if suffix == ".toml":
         return parse_toml(text, source)
+    if suffix in _SCRIPT_SUFFIXES:
+        return parse_launch_script(text, source)
+    if suffix in _FLAGS_SUFFIXES:
+        return parse_flags_file(text, source)
     if suffix in (".json", ".hjson", ".jsonc", ""):
         return parse_json(text, source)
     raise ConfigError(f"unknown file type {suffix!r}", source=source,
-                      fix="use a .json/.hjson (DeepSpeed, FSDP kwargs, spec), .yaml (Accelerate, spec) or "
-                          ".toml (torchtitan, strategies) file")
+                      fix="use a .json/.hjson (DeepSpeed, FSDP kwargs, TrainingArguments, spec), .yaml "
+                          "(Accelerate, TrainingArguments, spec), .toml (torchtitan, strategies), .sh (a launch "
+                          "script) or .args/.txt (Trainer flags) file")
 
 
 def read(located: Located, fmt: str | None = None) -> Translation[StrategySpec]:
@@ -115,6 +133,20 @@ def write(spec: StrategySpec, target: str, *, sizes: BucketSizes | None = None) 
     if target == "deepspeed":
         return write_deepspeed(spec, sizes)
     return TARGETS[target](spec)
+
+
+def render(value: Any, target: str, config_path: str | None = None) -> str:
+    """A written ``target`` as file text: YAML, TOML, JSON, or for the Trainer targets one line of flags
+    naming the config at ``config_path`` (inline JSON when None)."""
+    if isinstance(value, TrainerLaunch):
+        return value.command_line(config_path) + "\n"
+    if target in YAML_TARGETS:
+        import yaml
+
+        return str(yaml.safe_dump(value, sort_keys=False))
+    if target == "torchtitan":
+        return toml_text(value)
+    return json.dumps(value, indent=2) + "\n"
 
 
 def read_spec(located: Located) -> Translation[StrategySpec]:
@@ -158,6 +190,7 @@ SOURCES: dict[str, Reader] = {
     "fsdp2": read_fsdp2,
     "accelerate": read_accelerate,
     "torchtitan": read_torchtitan,
+    "trainer": read_trainer,
     "spec": read_spec,
 }
 """Format name -> reader, each ``(Located) -> Translation[StrategySpec]``."""
@@ -169,6 +202,10 @@ TARGETS: dict[str, Writer] = {
     "accelerate-fsdp": write_accelerate_fsdp,
     "accelerate-deepspeed": write_accelerate_deepspeed,
     "lightning": write_lightning,
+    "torchtitan": write_torchtitan,
+    "trainer-fsdp": write_trainer_fsdp,
+    "trainer-deepspeed": write_trainer_deepspeed,
     "spec": write_spec,
 }
-"""``--to`` name -> writer, each ``(StrategySpec) -> Translation[dict]``."""
+"""``--to`` name -> writer, each ``(StrategySpec) -> Translation[dict]`` (the Trainer targets:
+``Translation[TrainerLaunch]``, a config and its flags)."""

@@ -1,5 +1,5 @@
-"""torchtitan job config (TOML) -> spec. Read only: torchtitan configs are code now,
-so zerobridge does not write them.
+"""torchtitan job config (TOML) -> spec. The writer is ``torchtitan_write.py``; the TOML is the
+``--job.config_file`` schema of torchtitan's TOML releases (0.3.0 moved to config-as-code).
 
     >>> from zerobridge.translate.sources import parse_toml
     >>> from zerobridge.translate.torchtitan import read_torchtitan
@@ -53,6 +53,9 @@ _RENAMES = {
     "training_loop.full_state_dict": "checkpoint.enable_checkpoint",
 }
 _DTYPES = {"bfloat16": DType.BF16, "float32": DType.FP32}
+_NOT_IN_SPEC = (*(f"{_P}{name}_degree" for name in ("tensor_parallel", "pipeline_parallel", "context_parallel",
+                                                     "expert_parallel")), "checkpoint.enable_checkpoint")
+"""Keys read (and reported) whose values the spec has no field for: carried for ``--to torchtitan``."""
 BLOCK_CLASS = "TransformerBlock"
 """The class of the blocks torchtitan's models keep in ``model.layers``, each its own fully_shard unit."""
 
@@ -116,6 +119,9 @@ def read_torchtitan(located: Located, *, world_size: int | None = None) -> Trans
                               "batch.accumulation_steps": accumulation, "batch.global_batch_size": global_batch,
                               "compile": read_torchtitan_compile(keys, per_block=fsdp)})
     keys.note_rest()
+    for path in _NOT_IN_SPEC:  # what the spec cannot hold goes back out with the other sections
+        if keys.given(path):
+            keys.carry(path, keys.values[path], default=object())
     carried = keys.passthrough()
     if carried:
         spec = update_spec(spec, {"passthrough": {**spec.passthrough, FORMAT: carried}})
