@@ -31,17 +31,20 @@ __all__ = ["CARRIED_FLAGS", "DEPRECATED_FLAGS", "RENAMED_FLAGS", "deepspeed_fill
 DEPRECATED_FLAGS = ("fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params")
 """transformers 4.x flags that 5.x refuses: read into ``fsdp_config``, never written."""
 
-RENAMED_FLAGS = {"evaluation_strategy": "eval_strategy", "push_to_hub_token": "hub_token"}
-"""transformers 4.x flag names and the names 5.x reads: read under the new name, written so."""
+RENAMED_FLAGS = {"evaluation_strategy": "eval_strategy", "push_to_hub_token": "hub_token",
+                 "warmup_ratio": "warmup_steps", "gradient_checkpointing": "activation_checkpointing",
+                 "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
+"""transformers 4.x flag names and the names 5.x reads: read under the new name, written so (5.x reads a
+``--warmup_steps`` below 1 as the ratio ``--warmup_ratio`` gave)."""
 
 CARRIED_FLAGS = frozenset({
     "optim", "optim_args", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay",
-    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "max_steps", "num_train_epochs",
+    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_steps", "num_train_epochs",
     "output_dir", "logging_steps", "logging_strategy", "save_strategy", "save_steps", "save_total_limit",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "tf32", "seed", "report_to", "do_train",
     "do_eval", "dataloader_num_workers", "dataloader_prefetch_factor", "ddp_find_unused_parameters",
     "save_only_model", "include_num_input_tokens_seen", "torch_compile", "torch_compile_backend",
-    "torch_compile_mode", "gradient_checkpointing", "gradient_checkpointing_kwargs", "run_name", "bf16_full_eval",
+    "torch_compile_mode", "activation_checkpointing_kwargs", "run_name", "bf16_full_eval",
     "fp16_full_eval",
 })
 """Trainer flags that are not about sharding: kept and written back as they are (the optimizer and scheduler
@@ -91,7 +94,7 @@ def deepspeed_filled(ds: Mapping[str, Any], flags: Mapping[str, Any]) -> tuple[d
         fill(path, _flag_value(flags, name))
     fill("optimizer.params.betas", [_flag_value(flags, "adam_beta1"), _flag_value(flags, "adam_beta2")])
     fill("scheduler.params.warmup_min_lr", 0)
-    if "warmup_steps" in flags:
+    if "warmup_steps" in flags and float(flags["warmup_steps"]) >= 1:  # below 1: a ratio of steps not known yet
         fill("scheduler.params.warmup_num_steps", int(float(flags["warmup_steps"])))
     fill("fp16.enabled", _on(flags, "fp16"))
     fill("bf16.enabled", _on(flags, "bf16"))

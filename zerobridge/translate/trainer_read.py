@@ -14,6 +14,8 @@
     (2, 32)
     >>> t.report.find("fsdp").note.split(":")[0]
     'deprecated string form, read as transformers >= 5 reads it'
+    >>> t.report.find("gradient_checkpointing").note
+    'deprecated name (transformers 5 refuses it), written as --activation_checkpointing'
     >>> t.value.passthrough["trainer"]["lr_scheduler_type"]
     'cosine'
 
@@ -50,8 +52,9 @@ from zerobridge.translate.trainer_flags import CARRIED_FLAGS, DEPRECATED_FLAGS, 
 __all__ = ["FORMAT", "read_trainer"]
 
 FORMAT = "trainer"
-_RUN_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16", "fp16")
-"""Flags the spec states (``--gradient_checkpointing`` is stated and also kept, to be written back as itself)."""
+_RUN_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16", "fp16",
+              "activation_checkpointing")
+"""Flags the spec states (``--gradient_checkpointing`` is read as its current name, ``--activation_checkpointing``)."""
 _SHARDING_FLAGS = ("fsdp", "fsdp_config", "deepspeed", *DEPRECATED_FLAGS)
 _PLUGIN_V1 = ("forward_prefetch", "backward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers")
 _PLUGIN_KEYS = ("version", "cpu_offload", "auto_wrap_policy", "min_num_params", "transformer_layer_cls_to_wrap",
@@ -312,11 +315,11 @@ def _run_level(located: Located, spec: StrategySpec, report: Report) -> Strategy
     for name in ("bf16", "fp16"):
         if name in flags and not report.find(name):
             report.add(name, Status.EXACT, "" if truthy(flags[name]) else "off", target="precision.param_dtype")
-    if "gradient_checkpointing" in flags:
-        on = truthy(flags["gradient_checkpointing"])
+    if "activation_checkpointing" in flags:
+        on = truthy(flags["activation_checkpointing"])
         if on:
             changes["checkpoint.activation_checkpointing"] = True
-        report.add("gradient_checkpointing", Status.EQUIVALENT if on else Status.EXACT,
+        report.add("activation_checkpointing", Status.EQUIVALENT if on else Status.EXACT,
                    "the model's own checkpointing (gradient_checkpointing_enable), each decoder layer recomputed: "
                    "the spec's per-unit recomputation when the units are those layers" if on else "off",
                    target="checkpoint.activation_checkpointing")

@@ -16,7 +16,8 @@ the keys ``TrainingArguments`` hands Accelerate's FSDP plugin; it is built from
 the Accelerate FSDP writer's plugin, so both targets mean the same run.
 ``trainer-deepspeed`` writes the DeepSpeed JSON and ``--deepspeed``. Both add
 the flags for what the spec states (batch, accumulation, clipping,
-``--bf16``/``--fp16``, ``--gradient_checkpointing``), the optimizer and
+``--bf16``/``--fp16``; activation checkpointing as FSDP's own, in ``fsdp_config``,
+or ``--activation_checkpointing``, the model's own, for DeepSpeed), the optimizer and
 scheduler flags a DeepSpeed source's sections need (``trainer_form_of``), and
 a Trainer source's own flags (``passthrough["trainer"]``), which win.
 """
@@ -81,11 +82,10 @@ _DROPPED = frozenset({"fsdp_sync_module_states", "fsdp_use_orig_params"})
 
 def _common_flags(spec: StrategySpec, report: Report, *, checkpoint_flag: bool) -> tuple[str, ...]:
     """Run-level flags, optimizer/scheduler flags and the source's own Trainer flags, later ones winning;
-    ``checkpoint_flag``: recompute with ``--gradient_checkpointing``."""
+    ``checkpoint_flag``: recompute with ``--activation_checkpointing`` (the model's own, per decoder layer)."""
     own = spec.passthrough.get("trainer", {})
-    carried = [piece for name, value in own.items() for piece in flag_pieces(name, value)
-               if name != "gradient_checkpointing"]
-    checkpointing = ["--gradient_checkpointing", "true"] if checkpoint_flag else []
+    carried = [piece for name, value in own.items() for piece in flag_pieces(name, value)]
+    checkpointing = ["--activation_checkpointing", "true"] if checkpoint_flag else []
     for name in own:
         report.add(f"passthrough.trainer.{name}", Status.NOT_ABOUT_SHARDING, "the source's flag, written back",
                    target=f"--{name}")
@@ -96,14 +96,13 @@ def write_trainer_fsdp(spec: StrategySpec) -> Translation[TrainerLaunch]:
     """``--fsdp --fsdp_config`` for ``spec`` (transformers >= 5 forms), with the run's other flags."""
     acc = write_accelerate_fsdp(spec, fsdp_version=2)
     report = Report(source="spec", target="trainer-fsdp")
-    by_trainer = bool(spec.passthrough.get("trainer", {}).get("gradient_checkpointing"))
     for entry in acc.report:
         if entry.key in _RUN_LEVEL:
             flag = _RUN_LEVEL[entry.key]
             report.add(entry.key, Status.EXACT if entry.status is not Status.AUTO else Status.AUTO,
                        f"{flag}" if entry.status is not Status.AUTO else f"left to the script: Trainer's {flag}",
                        target=flag)
-        elif entry.key != "checkpoint.activation_checkpointing" or not by_trainer:
+        else:
             report.add(entry.key, entry.status, entry.note, impact=entry.impact,
                        target=entry.target.replace("fsdp_config.fsdp_", "fsdp_config."))
     out = acc.value
@@ -119,10 +118,6 @@ def write_trainer_fsdp(spec: StrategySpec) -> Translation[TrainerLaunch]:
             config[name] = str(value).split(",")
         else:
             config[name] = value
-    if by_trainer and config.get("activation_checkpointing"):
-        config["activation_checkpointing"] = False  # the source's --gradient_checkpointing stays the mechanism
-        report.add("checkpoint.activation_checkpointing", Status.EXACT, "--gradient_checkpointing, as the source "
-                   "had it", target="--gradient_checkpointing")
     for key in ("parallelism_config", "fp8_config", "dynamo_config"):
         if key in out:
             report.add(key, Status.NOT_EXPRESSIBLE, f"Accelerate's {key} has no TrainingArguments flag here: "
@@ -131,8 +126,7 @@ def write_trainer_fsdp(spec: StrategySpec) -> Translation[TrainerLaunch]:
         report.add("sharding", Status.EXACT, "nothing sharded: Trainer's plain data parallel (DDP), no --fsdp")
         return Translation(TrainerLaunch({}, "--fsdp_config", _common_flags(
             spec, report, checkpoint_flag=spec.checkpoint.activation_checkpointing)), report)
-    flags = merged_flags(["--fsdp"], _common_flags(spec, report, checkpoint_flag=by_trainer and bool(
-        spec.checkpoint.activation_checkpointing)))
+    flags = merged_flags(["--fsdp"], _common_flags(spec, report, checkpoint_flag=False))
     return Translation(TrainerLaunch(config, "--fsdp_config", flags), report)
 
 
@@ -142,8 +136,8 @@ def write_trainer_deepspeed(spec: StrategySpec) -> Translation[TrainerLaunch]:
     report = Report(source="spec", target="trainer-deepspeed")
     for entry in ds.report:
         if entry.key == "checkpoint.activation_checkpointing" and spec.checkpoint.activation_checkpointing:
-            report.add(entry.key, Status.EQUIVALENT, "--gradient_checkpointing: the model's own checkpointing "
-                       "of each decoder layer", target="--gradient_checkpointing")
+            report.add(entry.key, Status.EQUIVALENT, "--activation_checkpointing: the model's own checkpointing "
+                       "of each decoder layer", target="--activation_checkpointing")
         else:
             report.add(entry.key, entry.status, entry.note, target=entry.target, impact=entry.impact)
     flags = _common_flags(spec, report, checkpoint_flag=spec.checkpoint.activation_checkpointing)
