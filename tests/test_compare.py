@@ -85,8 +85,20 @@ def test_failed_run_fails_the_comparison_and_the_next_run_is_reference() -> None
     c = comparison(outcome("native/stage3", [], error="rank 1: RuntimeError: boom"),
                    outcome("fsdp/stage3", [3.0, 2.0]), outcome("deepspeed/stage3", [3.0, 2.0]))
     assert not c.ok and c.reference is not None and c.reference.planned.name == "fsdp/stage3"
-    assert "FAILED native/stage3: rank 1: RuntimeError: boom" in c.verdict()
+    assert c.status == "failed" and "runs disagree" not in c.verdict()  # a run that never ran disagrees with nothing
+    assert c.verdict().splitlines() == ["zerobridge compare: 1 run(s) failed (never started or crashed); the 2 that "
+                                        "finished agree", "failed native/stage3: rank 1: RuntimeError: boom"]
     assert c.to_json()["failed"] == [{"run": "native/stage3", "error": "rank 1: RuntimeError: boom"}]
+    c.runs.append(outcome("fsdp/stage2", [3.0, 2.5]))
+    assert c.status == "disagree" and c.verdict().startswith("zerobridge compare: runs disagree")
+
+
+def test_every_status_has_its_own_exit_code() -> None:
+    from zerobridge.compare.cli import EXIT_CODES
+
+    assert EXIT_CODES == {"ok": 0, "disagree": 1, "failed": 3}  # 2: bad input, before any run
+    none_ran = comparison(outcome("native/stage3", [], error="rank 0: start-up failed"))
+    assert none_ran.status == "failed" and "no run finished" in none_ran.verdict()
 
 
 def test_json_has_the_documented_fields() -> None:
@@ -496,8 +508,8 @@ def test_failed_run_is_reported_with_its_output_and_the_others_still_run(
     code = main(["compare", "--model", "zerobridge.testing.workloads:faulty_workload", "--stages", "3",
                  "--backends", "fsdp", "native", "--steps", "2", "--timeout", "60"])
     captured = capsys.readouterr()
-    assert code == 1
-    assert "FAILED fsdp/stage3: rank 1: RuntimeError: faulty_workload: rank 1 fails under fsdp" in captured.out
+    assert code == 3  # failed, not disagreeing: the run that finished has nothing to disagree with
+    assert "failed fsdp/stage3: rank 1: RuntimeError: faulty_workload: rank 1 fails under fsdp" in captured.out
     assert "[2/2] native/stage3" in captured.err and "2 steps in" in captured.err
     log = Path(captured.out.split("(output: ")[1].split(")")[0].replace("*", "1"))
     try:

@@ -5,7 +5,10 @@
     zerobridge compare --config ds_config.json --markdown summary.md --plot compare.png
 
 Everything is checked before the first process starts (exit 2 with the
-argument and the fix); output files are written atomically after the runs,
+argument and the fix). Then the exit code says what the runs did
+(``EXIT_CODES``): 0 every run finished and agrees, 1 a finished run
+disagrees with the reference, 3 a run failed (never started or crashed; its
+first error line is printed) and the others agree. Output files are written atomically after the runs,
 so a failed comparison never leaves half a file or clobbers an earlier one
 with partial results.
 """
@@ -26,7 +29,10 @@ from zerobridge.errors import ConfigError
 if TYPE_CHECKING:  # registering the subcommand stays torch-free
     from zerobridge.compare.runner import RunOutcome
 
-__all__ = ["add_parser", "run"]
+__all__ = ["EXIT_CODES", "add_parser", "run"]
+
+EXIT_CODES = {"ok": 0, "disagree": 1, "failed": 3}
+"""``zerobridge compare``'s exit code for a ``Comparison.status`` (2: bad input, before any run)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -129,4 +135,4 @@ def run(args: argparse.Namespace) -> int:
         from zerobridge.compare.plot import write_plot  # lazy: loads matplotlib, only for --plot
 
         write_plot(result, args.plot)
-    return 0 if result.ok else 1
+    return EXIT_CODES[result.status]

@@ -12,7 +12,10 @@ than ``norm_tolerance``, or either is not finite. The norm gets its own
 bound because it sums the squares of every gradient element; every engine
 accumulates it in float64, so sharding moves it by about 1e-7 (measured at
 20M parameters). Runs a backend only approximates (``~``) are judged the
-same way. A comparison is ``ok`` when no run diverged and none failed.
+same way. A comparison is ``ok`` when no run diverged and none failed; its
+``status`` tells the two apart: ``disagree`` when a finished run left the
+reference, else ``failed`` when a run never started or crashed (then nothing
+was compared for it), and ``zerobridge compare`` exits 1 or 3 for them.
 """
 
 from __future__ import annotations
@@ -189,6 +192,13 @@ class Comparison:
         """Every run finished and agrees with the reference within the tolerance."""
         return bool(self.runs) and not self.failed and not self.divergences
 
+    @property
+    def status(self) -> str:
+        """``ok``; ``disagree`` when a finished run diverged; else ``failed`` when a run did not finish."""
+        if self.divergences:
+            return "disagree"
+        return "failed" if self.failed or not self.runs else "ok"
+
     def max_deviation(self, metric: str = "loss") -> float:
         """The largest relative deviation over all runs and steps."""
         return max((d for r in self.runs for d in self.deviations(r, metric)), default=0.0)
@@ -196,10 +206,15 @@ class Comparison:
     def verdict(self) -> str:
         """One line for people, and a line per problem."""
         ref = self.reference
-        lines = [f"FAILED {r.planned.name}: {r.error}" for r in self.failed]
-        lines += [d.describe(ref.planned.name if ref else "?") for d in self.divergences]
-        if lines:
+        lines = [d.describe(ref.planned.name if ref else "?") for d in self.divergences]
+        lines += [f"failed {r.planned.name}: {r.error}" for r in self.failed]
+        if self.divergences:
             return "\n".join(["zerobridge compare: runs disagree", *lines])
+        if self.failed:
+            finished = len(self.runs) - len(self.failed)
+            head = (f"zerobridge compare: {len(self.failed)} run(s) failed (never started or crashed); "
+                    + (f"the {finished} that finished agree" if finished else "no run finished, nothing was compared"))
+            return "\n".join([head, *lines])
         judged = "; ".join(self.tolerance_lines())
         return (f"OK: {len(self.runs)} run(s) agree with {ref.planned.name if ref else '-'} over {self.steps} "
                 f"steps: max loss deviation {self.max_deviation():.2e}, max grad-norm deviation "
@@ -238,7 +253,7 @@ class Comparison:
         """The whole comparison (the schema ``docs/compare.md`` lists)."""
         ref = self.reference
         return {
-            "ok": self.ok, "max_loss_deviation": _finite(self.max_deviation()),
+            "ok": self.ok, "status": self.status, "max_loss_deviation": _finite(self.max_deviation()),
             "max_grad_norm_deviation": _finite(self.max_deviation("grad_norm")),
             "tolerance": self.tolerance, "norm_tolerance": self.norm_tolerance,
             "reference": ref.planned.name if ref else None,
