@@ -364,3 +364,12 @@ def test_trainer_code_builds_deepspeed_s_schedule(capsys: pytest.CaptureFixture[
         theirs.append(reference_opt.param_groups[0]["lr"])
         optimizer.step(), scheduler.step(), reference_opt.step(), reference.step()
     assert ours == pytest.approx(theirs, rel=1e-12) and len(set(theirs)) > 3
+
+
+def test_demo_round_trip_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    """`zerobridge demo` exits 0: the DeepSpeed JSON it writes reads back to the same strategy, and
+    only the run-level batch keys the writer leaves "auto" on purpose differ from the registry's."""
+    code, out, _ = run(capsys, "demo")
+    assert code == 0, out
+    assert "same run: zero3-offload as DeepSpeed JSON and that JSON written and read once more" in out
+    assert "changed on the way" not in out
