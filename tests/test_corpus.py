@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from conftest import corpus_files, in_original_layout
 

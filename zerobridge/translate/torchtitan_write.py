@@ -1,4 +1,4 @@
-"""spec -> a torchtitan job config TOML (the ``--job.config_file`` schema of torchtitan's TOML releases).
+"""spec -> a torchtitan job config TOML (``--job.config_file``; the schema of torchtitan 0.2, its last TOML release).
 
     >>> from zerobridge.load import load_spec
     >>> from zerobridge.translate.torchtitan_write import toml_text, write_torchtitan
@@ -28,7 +28,8 @@ torchtitan applies FSDP2 itself, one ``fully_shard`` unit per TransformerBlock,
 so the writer fills the sections torchtitan reads for it: ``[parallelism]``
 (the data-parallel degrees and ``fsdp_reshard_after_forward``), ``[training]``
 (mixed precision, CPU offload, clipping, batch), ``[activation_checkpoint]``,
-``[compile]`` and ``[float8]``. What torchtitan has no form for is refused with
+``[compile]`` and ``[quantize.linear.float8]`` (a source's older ``[float8]``
+section keeps its form). What torchtitan has no form for is refused with
 a ``ConfigError`` naming it: fp16 compute (torchtitan trains in bf16 or fp32),
 NVMe offload, and layouts whose degrees need a world size the spec lacks.
 What it approximates is reported (ZeRO-1/2 as ``never`` reshard, one-sided
@@ -52,10 +53,12 @@ __all__ = ["FORMAT", "toml_text", "write_torchtitan"]
 
 FORMAT = "torchtitan"
 _NAMES = {DType.BF16: "bfloat16", DType.FP32: "float32"}
+_FLOAT8 = "quantize.linear.float8"
+"""torchtitan 0.2's float8 section and converter name (older configs: ``[float8]`` and ``"float8"``)."""
 
 
-def _refuse(what: str, fix: str) -> ConfigError:
-    return ConfigError(f"{what}: torchtitan has no form for it", key=what.split(" ")[0], fix=fix)
+def _refuse(key: str, what: str, fix: str) -> ConfigError:
+    return ConfigError(f"{what}: torchtitan has no form for it", key=key, fix=fix)
 
 
 def _degrees(spec: StrategySpec, report: Report) -> dict[str, Any]:
@@ -64,14 +67,15 @@ def _degrees(spec: StrategySpec, report: Report) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if s.stage == 0:
         if world is None:
-            raise _refuse("sharding.stage 0 (DDP) without a world size",
+            raise _refuse("sharding.stage", "stage 0 (DDP) without a world size",
                           "pass --world-size N: torchtitan's data_parallel_replicate_degree must be stated")
         out |= {"data_parallel_replicate_degree": world, "data_parallel_shard_degree": 1}
         report.add("sharding", Status.EXACT, f"DDP over {world} replicas", target="parallelism")
         return out
     if s.is_hybrid:
         if not isinstance(group, int) or world is None:
-            raise _refuse(f"sharding.shard_group {group!r} (hybrid) without an integer group and a world size",
+            raise _refuse("sharding.shard_group", f"hybrid shard group {group!r} without a number of ranks and a "
+                          "world size",
                           "pass --world-size N and a numeric shard group: torchtitan needs both degrees")
         out |= {"data_parallel_replicate_degree": world // group, "data_parallel_shard_degree": group}
         report.add("sharding.shard_group", Status.EXACT, f"HSDP: {world // group} replicas of {group} shards",
@@ -107,7 +111,7 @@ def _training(spec: StrategySpec, report: Report) -> dict[str, Any]:
         out["mixed_precision_param"] = _NAMES[DType(p.param_dtype)]
         report.add("precision.param_dtype", Status.EXACT, target="training.mixed_precision_param")
     else:
-        raise _refuse(f"precision.param_dtype {DType(p.param_dtype).value}",
+        raise _refuse("precision.param_dtype", f"compute dtype {DType(p.param_dtype).value}",
                       "torchtitan computes in bfloat16 or float32: convert with --precision bf16")
     out["mixed_precision_reduce"] = "float32"
     if not is_auto(p.reduce_dtype) and p.reduce_dtype != DType.FP32:
@@ -117,7 +121,7 @@ def _training(spec: StrategySpec, report: Report) -> dict[str, Any]:
         report.add("precision.master_dtype", Status.APPROXIMATED, "torchtitan keeps fp32 sharded parameters "
                    "(FSDP2's mixed precision); pure 16-bit weights have no form", target="training")
     if "nvme" in (o.optimizer.device.value, o.parameters.device.value):
-        raise _refuse("offload to nvme", "torchtitan offloads to host memory only: use cpu")
+        raise _refuse("offload", "offload to nvme", "torchtitan offloads to host memory only: use cpu")
     both = o.optimizer.enabled and o.parameters.enabled
     out["enable_cpu_offload"] = o.optimizer.enabled or o.parameters.enabled
     if out["enable_cpu_offload"] and not both:
@@ -155,7 +159,7 @@ def _batch(spec: StrategySpec, out: dict[str, Any], report: Report) -> None:
                        "torchtitan accumulates global / (local x data-parallel degree) micro-batches",
                        target="training.global_batch_size")
         else:
-            raise _refuse(f"batch.accumulation_steps {steps} without a micro batch and world size",
+            raise _refuse("batch.accumulation_steps", f"accumulation {steps} without a micro batch and world size",
                           "pass --micro-batch and --world-size: torchtitan states accumulation as a global batch")
 
 
@@ -188,7 +192,7 @@ def _compile(spec: StrategySpec, report: Report) -> dict[str, Any]:
     return {"enable": True, "components": ["model"], "backend": c.backend}
 
 
-def _float8(spec: StrategySpec, report: Report) -> dict[str, Any] | None:
+def _float8(spec: StrategySpec, report: Report, section: str) -> dict[str, Any] | None:
     wire = spec.communication.wire
     for name in ("grad_reduce", "frozen_weights"):
         if getattr(wire, name) is not WireFormat.FULL:
@@ -200,8 +204,8 @@ def _float8(spec: StrategySpec, report: Report) -> dict[str, Any] | None:
                        f"full weights, not {wire.param_gather.value}")
         return None
     report.add("communication.wire.param_gather", Status.APPROXIMATED, "float8 all-gathers through torchao's "
-               "float8 linear layers (model.converters = [\"float8\"]), whose matmuls run in fp8 too; torchao scales "
-               "per tensor, the native engine per shard", target="float8.enable_fsdp_float8_all_gather")
+               f"float8 linear layers (model.converters = [\"{section}\"]), whose matmuls run in fp8 too; torchao "
+               "scales per tensor, the native engine per shard", target=f"{section}.enable_fsdp_float8_all_gather")
     return {"enable_fsdp_float8_all_gather": True, "precompute_float8_dynamic_scale_for_fsdp": True}
 
 
@@ -219,11 +223,12 @@ def write_torchtitan(spec: StrategySpec) -> Translation[dict[str, Any]]:
                                "activation_checkpoint": _checkpointing(spec, report)}
     written["compile"] = _compile(spec, report)
     carried: dict[str, Any] = dict(spec.passthrough.get(FORMAT) or {})
-    float8 = _float8(spec, report)
+    legacy = "float8" in carried  # a source with the older [float8] section keeps its schema
+    float8 = _float8(spec, report, "float8" if legacy else _FLOAT8)
     if float8:
-        written["float8"] = float8
-        written["model"] = {"converters": ["float8"]}
-    elif "float8" in carried:  # the source's section: say the gather is off in it
+        written |= {"float8": float8} if legacy else {"quantize": {"linear": {"float8": float8}}}
+        written["model"] = {"converters": ["float8" if legacy else _FLOAT8]}
+    elif legacy:  # the source's section: say the gather is off in it
         written["float8"] = {"enable_fsdp_float8_all_gather": False}
     if spec.communication.model_dump() != CommunicationSpec().model_dump() and spec.sharding.stage != 0:
         report.add("communication", Status.NOT_EXPRESSIBLE, "torchtitan's FSDP2 sizes its gathers per block and "
@@ -232,7 +237,7 @@ def write_torchtitan(spec: StrategySpec) -> Translation[dict[str, Any]]:
     converters = model.get("converters") if isinstance(model, dict) else None
     if float8 and converters is not None:  # keep the source's other converters, float8 among them
         names = converters.split(",") if isinstance(converters, str) else list(converters)
-        names = names if "float8" in names else [*names, "float8"]
+        names = names if {"float8", _FLOAT8} & set(names) else [*names, _FLOAT8]
         written["model"]["converters"] = ",".join(names) if isinstance(converters, str) else names
     for section in (s for s in spec.passthrough if s != FORMAT):
         report.add(f"passthrough.{section}", Status.NOT_ABOUT_SHARDING, f"the {section} source's own sections "
