@@ -41,7 +41,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zerobridge.spec import StrategySpec
+from zerobridge.spec import AUTO, StrategySpec
 from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.keys import FALSY, TRUTHY, update_spec
@@ -200,18 +200,25 @@ def _read_fsdp(located: Located, base: Path, report: Report) -> StrategySpec:
     mixed = _mixed(flags)
     acc = Located({"distributed_type": "FSDP", "mixed_precision": mixed, "fsdp_config": plugin}, located.source)
     read = read_accelerate(acc)
-    for entry in read.report:
+    for entry in read.report:  # the plugin's entries, under the flag or fsdp_config key each came from
         key = entry.key
         if key.startswith("fsdp_config.fsdp_"):
             name = key.removeprefix("fsdp_config.fsdp_").replace("offload_params", "cpu_offload")
             key = origin.get(name, "")
         elif key == "mixed_precision":
             key = "bf16" if mixed == "bf16" else "fp16" if mixed == "fp16" else ""
-        elif key == "distributed_type" or key.startswith("batch") or key.startswith("precision"):
+        elif entry.status in (Status.APPROXIMATED, Status.NOT_EXPRESSIBLE, Status.IGNORED):
+            key = f"fsdp_plugin_args ({key})"  # what Accelerate makes of it, said once
+        else:
             continue
-        if key and not report.find(key) or key and entry.status not in (Status.EXACT, Status.DEFAULT):
+        if key and not report.find(key):
             report.add(key, entry.status, entry.note, target=entry.target, impact=entry.impact)
-    return read.value
+    spec = read.value
+    if "state_dict_type" not in config:  # Trainer's default, not the user's choice: a target may keep its own
+        spec = update_spec(spec, {"checkpoint.format": AUTO}, source=located.source)
+        report.add("fsdp_config.state_dict_type", Status.DEFAULT, "absent: Trainer saves FULL_STATE_DICT; left to "
+                   "each target's default", target="checkpoint.format")
+    return spec
 
 
 def _plugin(located: Located, config: dict[str, Any], origin: dict[str, str], version: int,

@@ -97,6 +97,8 @@ def write_trainer_fsdp(spec: StrategySpec) -> Translation[TrainerLaunch]:
     acc = write_accelerate_fsdp(spec, fsdp_version=2)
     report = Report(source="spec", target="trainer-fsdp")
     for entry in acc.report:
+        if entry.key.startswith("passthrough.trainer"):
+            continue  # written back as flags below
         if entry.key in _RUN_LEVEL:
             flag = _RUN_LEVEL[entry.key]
             report.add(entry.key, Status.EXACT if entry.status is not Status.AUTO else Status.AUTO,
