@@ -13,6 +13,7 @@ import argparse
 import ast
 import enum
 import inspect
+import json
 import sys
 import types
 import typing
@@ -132,8 +133,64 @@ def render_translators() -> str:
                        "; ".join(f"`{p}` ({note})" for p, note in table.removed.items()) + ".\n")
         if table.notes:
             out.append("\n" + "".join(f"- {note}\n" for note in table.notes))
+    out.extend(_bucket_sizing())
     out.extend(_under_trainer())
+    out.extend(_launch_script_example())
     return "".join(out)
+
+
+def _bucket_sizing() -> list[str]:
+    """The "DeepSpeed's buckets" section: what ``--to deepspeed`` writes for ``per_unit``, and the measured figure."""
+    out = ["\n## DeepSpeed's buckets for a source that leaves them to the engine\n\n",
+           "FSDP1 and FSDP2 kwargs, Accelerate FSDP, Lightning's FSDP strategies, torchtitan and the FSDP registry "
+           "names gather and reduce one wrap unit at a time (spec `\"per_unit\"`). DeepSpeed has no per-unit form: "
+           "it sizes its buffers in elements, and preallocates them. Its defaults (5e8 elements for the reduce "
+           "bucket, 5e7 for prefetch) are sized for billion-parameter layers, and cost the same on any model: 3.7 GiB "
+           "per rank at stage 2 in fp32 (two 5e8-element reduce buffers with `overlap_comm`), 1.9 GiB at stage 3 "
+           "(one flat bucket). "
+           "`--to deepspeed` therefore never writes them for `per_unit`:\n\n"
+           "| DeepSpeed key | model known | model not known | source states a number |\n|---|---|---|---|\n"
+           "| `reduce_bucket_size` | the largest wrap unit's parameter count | `\"auto\"`: Trainer and Accelerate "
+           "fill hidden_size^2 | kept |\n"
+           "| `stage3_prefetch_bucket_size` | the largest wrap unit's parameter count | stage 3: `\"auto\"` (0.9 x "
+           "hidden_size^2); below: DeepSpeed's default, unused | kept |\n"
+           "| `allgather_bucket_size` | the largest wrap unit's parameter count | DeepSpeed's default: it allocates "
+           "nothing for it | kept |\n"
+           "| `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | the spec's: 0 and no bound from "
+           "FSDP sources (every parameter sharded, as FSDP does) | the same | kept |\n\n"
+           "The model is known to `zerobridge convert --to deepspeed --model config.json` (a Hugging Face config "
+           "or model directory built on the meta device, or a name `zerobridge plan` takes; one it cannot build "
+           "exits 2 naming the file), to `zerobridge plan --to deepspeed` (the planner's own candidates are sized "
+           "too: their 5e8 is the spec's default, not a choice; `--config` files keep theirs), and to "
+           "`prepare(backend=\"deepspeed\")` and `zerobridge.deepspeed.initialize`. One function sizes them "
+           "everywhere (`zerobridge.runtime.wrap_units.bucket_sizes`): with buckets of the largest unit, a bucket "
+           "holds what one of the source's collectives holds and no parameter outgrows a bucket (counts are "
+           "rounded up to even: DeepSpeed asserts it of `allgather_bucket_size`). Plain `deepspeed.initialize` "
+           "drops `\"auto\"` without a word and preallocates its default: pass `--model`.\n\n"
+           "The report files these keys, `max_live_parameters` and the persistence thresholds under memory, with "
+           "the bytes (`translate/deepspeed_buckets.py`): at stages 1-2 DeepSpeed preallocates 2 x "
+           "`reduce_bucket_size` elements with `overlap_comm` (1 x without), at stage 3 one flat reduce bucket of "
+           "`reduce_bucket_size`, and at stage 3 it gathers up to `stage3_prefetch_bucket_size` elements ahead "
+           "of use; all in the compute dtype.\n"]
+    measured = DOCS.parent / "bench" / "results" / "deepspeed_buckets.json"
+    if measured.is_file():
+        result = json.loads(measured.read_text(encoding="utf-8"))
+        out.append(f"\nMeasured with `python bench/deepspeed_buckets.py` ({result['source']}, {result['model']}, "
+                   f"world {result['world_size']} on CPU, {result['micro_batch']} x {result['seq_len']} tokens per "
+                   "rank, two AdamW steps; peak live tensor bytes of the training phases on the busier rank, counted "
+                   "as `zerobridge plan` counts them):\n\n| run | buckets | peak | vs FSDP2 |\n|---|---|---|---|\n")
+        names = {"fsdp2": "FSDP2 backend, the same spec", "old": "DeepSpeed, the JSON written before",
+                 "new": "DeepSpeed, written with `--model`"}
+        for name, peak in result["peak_bytes"].items():
+            buckets = result["buckets"].get(name)
+            shown = ", ".join(f"{v:.3g}" for v in buckets.values()) if buckets else "one unit per collective"
+            out.append(f"| {names[name]} | {shown} | {peak / 2**20:.1f} MiB | "
+                       f"{result['ratio_to_fsdp2'][name]:.2f}x |\n")
+        out.append("\nBuckets are `reduce_bucket_size`, `allgather_bucket_size`, `stage3_prefetch_bucket_size`. "
+                   "`tests/test_deepspeed_buckets.py` runs the JSON written with the model from every Accelerate "
+                   "FSDP config of the corpus under real DeepSpeed and checks each against the FSDP2 backend's "
+                   "peak on the same model (within 1.15x).\n")
+    return out
 
 
 def _under_trainer() -> list[str]:
@@ -174,6 +231,64 @@ def _under_trainer() -> list[str]:
         doc = " ".join((_member_doc(Impact, impact.name) or "").split())
         out.append(f"| `{impact.value}` | {doc} | {paths} |\n")
     return out
+
+
+_ALPACA = r"""cat > train.sh <<'EOF'
+torchrun --nproc_per_node=8 --master_port=20001 train.py \
+    --model_name_or_path $MODEL_PATH \
+    --data_path ./alpaca_data.json \
+    --bf16 True \
+    --output_dir output \
+    --num_train_epochs 3 \
+    --per_device_train_batch_size 2 \
+    --gradient_accumulation_steps 32 \
+    --learning_rate 2e-5 \
+    --weight_decay 0. \
+    --warmup_ratio 0.03 \
+    --lr_scheduler_type "cosine" \
+    --fsdp "full_shard auto_wrap" \
+    --fsdp_transformer_layer_cls_to_wrap 'LlamaDecoderLayer' \
+    --gradient_checkpointing True
+EOF
+zerobridge convert train.sh --to trainer-fsdp -o fsdp.json
+zerobridge convert train.sh --to trainer-deepspeed -o ds.json
+zerobridge convert train.sh --to torchtitan --world-size 8 -o job.toml
+"""
+"""The worked example's commands: a bash block (its heredoc makes the script, so it runs as written)."""
+
+_ALPACA_FLAGS = ("--fsdp --fsdp_config fsdp.json --per_device_train_batch_size 2 --gradient_accumulation_steps 32 "
+                 "--max_grad_norm 1.0 --bf16 --model_name_or_path '$MODEL_PATH' --data_path ./alpaca_data.json "
+                 "--output_dir output --num_train_epochs 3 --learning_rate 2e-5 --weight_decay 0. "
+                 "--lr_scheduler_type cosine --warmup_steps 0.03")
+
+
+def _launch_script_example() -> list[str]:
+    """A worked example: an Alpaca-style launch script to Trainer's current FSDP form, DeepSpeed and torchtitan."""
+    return [
+        "\n## A launch script, converted\n\n",
+        "An Alpaca-style fine-tuning script (the form of FastChat's and many Llama and Qwen recipes) is read from its "
+        "`torchrun` line. `--to trainer-fsdp` writes the same run in transformers 5's form, `--to trainer-deepspeed` "
+        "as DeepSpeed ZeRO-3 under Trainer, `--to torchtitan` as a torchtitan job:\n\n",
+        "```bash\n" + _ALPACA + "```\n\n",
+        "The first command writes `fsdp.json` and prints, on one line, the flags that replace the script's (the "
+        "script's own flags, `--model_name_or_path $MODEL_PATH` among them, come back unchanged; without `-o` the "
+        "config goes inline as JSON):\n\n",
+        "```text\n" + _ALPACA_FLAGS + "\n```\n\n",
+        "`fsdp.json` holds `version` 2, `reshard_after_forward` true, `cpu_offload` false, `auto_wrap_policy` "
+        "`TRANSFORMER_BASED_WRAP`, `transformer_layer_cls_to_wrap` `[\"LlamaDecoderLayer\"]`, "
+        "`activation_checkpointing` true and `cpu_ram_efficient_loading` false. The deprecated forms are read as "
+        "transformers 5 reads them and reported (`--explain`), not warned: `--fsdp \"full_shard auto_wrap\"` is "
+        "FSDP2 with `reshard_after_forward` (transformers 4.x ran FSDP1 FULL_SHARD, the same sharding), "
+        "`--fsdp_transformer_layer_cls_to_wrap` moves into `fsdp_config`, `--gradient_checkpointing` becomes "
+        "FSDP's own `activation_checkpointing`, and `--warmup_ratio 0.03` becomes `--warmup_steps 0.03`.\n\n",
+        "The trainer-fsdp conversion warns about nothing; `tests/test_translate_trainer.py` parses its output with "
+        "`HfArgumentParser(TrainingArguments)` and compares `fsdp_plugin_args` with what was meant. The DeepSpeed "
+        "JSON passes Trainer's own fill-and-check; its three warnings are the two buckets Trainer fills from the "
+        "model's hidden size and ZeRO-3 gathering each submodule rather than each layer. The torchtitan job warns "
+        "once: torchtitan reduces gradients in fp32, where Accelerate's bf16 policy reduces them in bf16. A "
+        "script that names its DeepSpeed JSON in a variable (`--deepspeed $DS_CONFIG`) is read with the variable "
+        "set as its caller sets it: `DS_CONFIG=ds.json zerobridge convert train.sh --to trainer-fsdp`.\n",
+    ]
 
 
 def _docstring_table(doc: str) -> str:
