@@ -51,7 +51,7 @@ from zerobridge import env as zenv
 from zerobridge.backends.preflight import preflight
 from zerobridge.env import BACKENDS, encode_choice
 from zerobridge.errors import ConfigError
-from zerobridge.load import load_spec
+from zerobridge.load import load_spec, load_spec_for_world
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import STAGES, spec_for_stage
 
@@ -164,7 +164,7 @@ def validate(args: argparse.Namespace) -> None:
         if not path.is_file():
             raise ConfigError("config file not found", source=args.config, key="--config",
                               fix="check the path; for a registry name use --strategy")
-        spec = load_spec(path).value
+        spec = load_spec_for_world(path, _world(args)[0], flag="--nproc")   # the world size: once, before launch
     elif args.strategy is not None:
         spec = load_spec(args.strategy).value
     elif args.stage is not None and args.backend in ("fsdp", "deepspeed"):

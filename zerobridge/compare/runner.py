@@ -33,7 +33,7 @@ from zerobridge.backends.preflight import formula_stage, preflight
 from zerobridge.compare.worker import RankRecord
 from zerobridge.errors import ConfigError
 from zerobridge.harness.cluster import Cluster
-from zerobridge.load import load_spec
+from zerobridge.load import load_spec_for_world
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 
@@ -122,8 +122,8 @@ def after_warmup(per_step: Sequence[_T]) -> Sequence[_T]:
     return per_step[1:] if len(per_step) >= 3 else per_step
 
 
-def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: bool = False
-              ) -> list[tuple[str, StrategySpec, bool]]:
+def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: bool = False,
+              world_size: int | None = None) -> list[tuple[str, StrategySpec, bool]]:
     def compiled(spec: StrategySpec) -> StrategySpec:
         return spec.model_copy(update={"compile": spec.compile.model_copy(update={"enabled": True})}) \
             if compile else spec
@@ -135,7 +135,7 @@ def _labelled(stages: Sequence[int], configs: Sequence[str | Path], compile: boo
         while label in seen:
             label += "'"
         seen.add(label)
-        specs.append((label, compiled(load_spec(config).value), False))
+        specs.append((label, compiled(load_spec_for_world(config, world_size, flag="--nproc")), False))
     return specs
 
 
@@ -147,7 +147,7 @@ def plan_runs(*, stages: Sequence[int], configs: Sequence[str | Path], backends:
 
     runs: list[Planned] = []
     skipped: list[Skipped] = []
-    for label, spec, by_stage in _labelled(stages, configs, compile):
+    for label, spec, by_stage in _labelled(stages, configs, compile, world_size):
         stage = spec.sharding.stage.value
         try:
             accumulation = spec.batch.accumulation_for(world_size)

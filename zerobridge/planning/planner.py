@@ -43,7 +43,7 @@ from torch import nn
 
 from zerobridge.errors import ConfigError
 from zerobridge.explain import Explanation, explain
-from zerobridge.load import load_spec
+from zerobridge.load import load_spec_for_world
 from zerobridge.planning.candidates import Candidate, candidates
 from zerobridge.planning.fake_run import Measured, Run, run_once
 from zerobridge.planning.models import ModelSource, resolve_model
@@ -235,10 +235,10 @@ def _check_run(source: ModelSource, run: Run) -> None:
                           key="--seq-len", fix=f"use at most {source.max_seq_len}")
 
 
-def _own(strategies: Sequence[str | Path | StrategySpec]) -> tuple[Candidate, ...]:
+def _own(strategies: Sequence[str | Path | StrategySpec], world_size: int) -> tuple[Candidate, ...]:
     out = []
     for item in strategies:
-        spec = item if isinstance(item, StrategySpec) else load_spec(item).value
+        spec = item if isinstance(item, StrategySpec) else load_spec_for_world(item, world_size, flag="--world-size")
         if OffloadDevice.NVME in (spec.offload.optimizer.device, spec.offload.parameters.device):
             raise ConfigError(f"{item}: NVMe tiers are not planned (the planning run writes no swap files)",
                               key="offload", fix="plan its cpu form (offload device \"cpu\"): the device peak is "
@@ -277,7 +277,7 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
     if precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"--precision {precision!r}", key="--precision", fix="use fp32, bf16 or fp16")
     template = source.build(min(source.layers or 1, 2) if source.layers else None)
-    own = _own(strategies)
+    own = _own(strategies, world_size)
     made = candidates(template, nodes=nodes, ranks_per_node=run.ranks_per_node, own=own)
     chosen = [c for c in made if c.own or not only_own]
     if not chosen:
