@@ -33,6 +33,7 @@ from torch import nn
 from zerobridge.backends.base import adopt_class, check_fresh, set_backend, start_run
 from zerobridge.backends.deepspeed.backend import DeepSpeedBackend
 from zerobridge.backends.deepspeed.config import build_config
+from zerobridge.backends.deepspeed.extensions import extensions_dir
 from zerobridge.backends.deepspeed.internals import recount_collectives
 from zerobridge.backends.deepspeed.materialize import Partitioner, compute_dtype, materialize_deepspeed, restore_masters
 from zerobridge.backends.deepspeed.step import DeepSpeedModule
@@ -73,6 +74,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
                                "optimizer: ") + "model, optimizer = zerobridge.prepare(model, optimizer, "
                               "backend='deepspeed')")
     groups = _groups(model, optimizer)
+    extensions_dir()  # its ops built once per user and torch version; a stale build lock removed
     try:
         import deepspeed  # lazy: an optional dependency, heavy to import
         from deepspeed.accelerator import get_accelerator
