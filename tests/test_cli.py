@@ -254,8 +254,9 @@ def test_run_level_flags_make_a_config_plain_deepspeed_initialize_reads(capsys: 
     deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
     source = tmp_path / "fsdp.yaml"
     source.write_text(ACCELERATE_FSDP)
+    # --model: the buckets FSDP leaves to the engine, sized for the model ("auto" without it, issue 31)
     code, out, err = run(capsys, "convert", str(source), "--to", "deepspeed", "--micro-batch", "4",
-                         "--accumulation", "2", "--clip", "1.0", "--precision", "fp32")
+                         "--accumulation", "2", "--clip", "1.0", "--precision", "fp32", "--model", "tiny-llama")
     ds = json.loads(out)
     assert code == 0 and "auto" not in out
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"],
@@ -282,7 +283,10 @@ def test_hf_zero2_to_accelerate_fsdp_warns_only_what_changes_the_run(capsys: pyt
     source = tmp_path / "ds_config_zero2.json"
     source.write_text(ZERO2_AUTO)
     code, out, err = run(capsys, "convert", str(source), "--to", "accelerate-fsdp")
-    assert code == 0 and warning_keys(err) == ["sharding", "offload", "scheduler"]
+    # bucket, prefetch and live-parameter settings change memory (issue 31): DeepSpeed preallocates its buckets
+    memory = ["communication.reduce_bucket", "communication.allgather_bucket", "communication.prefetch_bucket",
+              "communication.max_live_parameters", "communication.persistence_threshold"]
+    assert code == 0 and warning_keys(err) == ["sharding", "offload", *memory, "scheduler"]
     scheduler = next(line for line in err.splitlines() if line.startswith("zerobridge: warning: scheduler"))
     assert "(numbers)" in scheduler and "--lr_scheduler_type constant_with_warmup" in scheduler
     assert f"zerobridge convert {source} --trainer-args" in scheduler  # the user's own path, ready to run
