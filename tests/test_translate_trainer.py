@@ -124,6 +124,11 @@ def test_trainer_json_and_inline_config(tmp_path: Path) -> None:
     assert t.value.sharding.parameters.value == "reshard_after_backward"
     assert t.value.offload.parameters.enabled and t.value.wrapping.min_params == 1000000
     assert "deprecated prefix" in t.report.find("fsdp_config.fsdp_min_num_params").note
+    yaml_args = tmp_path / "args.yaml"
+    yaml_args.write_text("output_dir: out\nfsdp: true\nfsdp_config: {version: 2, cpu_offload: true}\nbf16: true\n",
+                         encoding="utf-8")
+    from_yaml = load_spec(yaml_args)
+    assert from_yaml.value.offload.parameters.enabled and from_yaml.value.precision.param_dtype.value == "bf16"
     inline = load_spec(script(tmp_path, "python train.py --fsdp --fsdp_config '{\"reshard_after_forward\": false}'\n"))
     assert inline.value.sharding.parameters.value == "reshard_after_backward"
     assert inline.report.find("fsdp").status is Status.EXACT
@@ -155,6 +160,9 @@ def test_bad_scripts_name_the_file_and_line(tmp_path: Path, capsys: pytest.Captu
     assert f"{none}:3" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="shell variable that is not set"):
         read_trainer(parse_launch_script("deepspeed t.py --deepspeed $NOT_SET_ANYWHERE\n", "v.sh"))
+    with pytest.raises(ConfigError, match=r"--per_device_train_batch_size '\$BS' is not a number") as exc:
+        read_trainer(parse_launch_script("torchrun t.py \\\n --fsdp --per_device_train_batch_size $BS\n", "b.sh"))
+    assert exc.value.line == 2
     with pytest.raises(ConfigError, match="FSDP1-only"):
         read_trainer(parse_launch_script("torchrun t.py --fsdp 'hybrid_shard auto_wrap'\n", "h.sh"))
 
@@ -309,6 +317,13 @@ def test_corpus_script_flags_round_trip(path: Path, tmp_path: Path) -> None:
         if name in spec.passthrough.get("trainer", {}):
             assert out[flag] == ([] if value is True else [value]), name
     assert len(load_spec(in_layout(path, tmp_path)).report.warnings) <= 3
+
+
+@pytest.mark.corpus
+def test_trainer_corpus_is_there_when_present() -> None:
+    if corpus_dir() is None:
+        pytest.skip("no corpus")
+    assert len(TRAINER_SCRIPTS) >= 5 and any(p.suffix == ".json" for p in corpus_files("trainer"))
 
 
 # ---------------------------------------------------------------------------------------------- CLI

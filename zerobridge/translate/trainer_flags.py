@@ -65,10 +65,14 @@ _INTS = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps"}
 
 
 def _flag_value(flags: Mapping[str, Any], name: str) -> Any:
+    """The flag as a number; None when it is not one (``$BATCH``: the reader then names the flag)."""
     raw = flags.get(name, _DEFAULTS.get(name))
     if raw is None or isinstance(raw, (int, float)) and not isinstance(raw, bool):
         return raw
-    return int(float(raw)) if name in _INTS else float(raw)
+    try:
+        return int(float(raw)) if name in _INTS else float(raw)
+    except ValueError:
+        return None
 
 
 def _on(flags: Mapping[str, Any], name: str) -> bool:
@@ -92,10 +96,12 @@ def deepspeed_filled(ds: Mapping[str, Any], flags: Mapping[str, Any]) -> tuple[d
 
     for path, name in _FILLS:
         fill(path, _flag_value(flags, name))
-    fill("optimizer.params.betas", [_flag_value(flags, "adam_beta1"), _flag_value(flags, "adam_beta2")])
+    betas = [_flag_value(flags, "adam_beta1"), _flag_value(flags, "adam_beta2")]
+    fill("optimizer.params.betas", betas if None not in betas else None)
     fill("scheduler.params.warmup_min_lr", 0)
-    if "warmup_steps" in flags and float(flags["warmup_steps"]) >= 1:  # below 1: a ratio of steps not known yet
-        fill("scheduler.params.warmup_num_steps", int(float(flags["warmup_steps"])))
+    warmup = _flag_value(flags, "warmup_steps")
+    if warmup is not None and warmup >= 1:  # below 1: a ratio of steps not known yet
+        fill("scheduler.params.warmup_num_steps", int(warmup))
     fill("fp16.enabled", _on(flags, "fp16"))
     fill("bf16.enabled", _on(flags, "bf16"))
     return out, notes

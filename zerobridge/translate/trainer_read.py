@@ -74,8 +74,9 @@ def _number(located: Located, name: str, kind: type) -> Any:
     try:
         return kind(float(value)) if kind is int and str(value).replace(".", "", 1).isdigit() else kind(value)
     except (TypeError, ValueError):
-        raise located.error(f"--{name} {value!r} is not a {kind.__name__}", key=name,
-                            fix=f"give a number, e.g. --{name} 1") from None
+        raise located.error(f"--{name} {value!r} is not a number", key=name,
+                            fix=f"give the number itself (zerobridge expands no shell variable), e.g. --{name} 1"
+                            ) from None
 
 
 def read_trainer(located: Located, *, base_dir: Path | None = None) -> Translation[StrategySpec]:
