@@ -111,6 +111,8 @@ CUDA_VISIBLE_DEVICES=0,1 python -m torch.distributed.run --nnodes 2 --nproc-per-
     assert ds is not None and ds.world_size == 12
     acc = parse_launch_script("accelerate launch --num_processes 4 --multi_gpu t.py --bf16\n", "a.sh")
     assert acc.command is not None and acc.command.world_size == 4 and acc.data == {"bf16": True}
+    named = read_trainer(parse_launch_script("accelerate launch --config_file fsdp.yaml t.py --bf16\n", "c.sh"))
+    assert named.report.find("(accelerate launch --config_file)").status is Status.IGNORED
     flags = parse_flags_file("# flags\n--fsdp\n--fsdp_config fsdp.json\n--bf16 true\n", "f.args")
     assert flags.data == {"fsdp": True, "fsdp_config": "fsdp.json", "bf16": "true"}
 

@@ -45,6 +45,7 @@ from zerobridge.spec import AUTO, StrategySpec
 from zerobridge.translate.accelerate_read import read_accelerate
 from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.keys import FALSY, TRUTHY, update_spec
+from zerobridge.translate.launch_script import LaunchCommand, ScriptLocated
 from zerobridge.translate.report import Impact, Report, Status, Translation
 from zerobridge.translate.sources import Located, parse_json, read_text
 from zerobridge.translate.trainer_flags import CARRIED_FLAGS, DEPRECATED_FLAGS, RENAMED_FLAGS, deepspeed_filled
@@ -83,6 +84,8 @@ def read_trainer(located: Located, *, base_dir: Path | None = None) -> Translati
     """The spec ``TrainingArguments`` flags mean; ``base_dir``: where relative ``--fsdp_config`` and
     ``--deepspeed`` paths are found (default: the source's directory, where the script is run from)."""
     report = Report(source=FORMAT, target="spec")
+    if isinstance(located, ScriptLocated) and located.command is not None:
+        _launcher(located.command, report)
     flags = {str(k).lstrip("-").replace("-", "_"): v for k, v in located.data.items()}
     lines = dict(located.lines)
     for old, new in RENAMED_FLAGS.items():
@@ -124,6 +127,18 @@ def read_trainer(located: Located, *, base_dir: Path | None = None) -> Translati
     if carried:
         spec = update_spec(spec, {"passthrough": {**spec.passthrough, FORMAT: carried}}, source=located.source)
     return Translation(spec, report)
+
+
+def _launcher(command: LaunchCommand, report: Report) -> None:
+    """The launch line: what it starts, and an Accelerate config it names (which sets sharding too)."""
+    world = command.world_size
+    report.add(f"({command.launcher})", Status.NOT_ABOUT_SHARDING, f"runs {command.script}"
+               + (f" on {world} processes (the world size Trainer sees)" if world else ""), target="sharding.world_size")
+    named = [name for name in ("config_file", "use_fsdp", "use_deepspeed") if name in command.options]
+    if command.launcher == "accelerate launch" and named:
+        report.add(f"(accelerate launch --{named[0]})", Status.IGNORED, "the launcher's own FSDP/DeepSpeed settings "
+                   "are not read here, only the script's flags: convert the Accelerate config itself as well",
+                   target="sharding")
 
 
 # ----------------------------------------------------------------------------------------------- FSDP
