@@ -132,8 +132,9 @@ def read_trainer(located: Located, *, base_dir: Path | None = None) -> Translati
 def _launcher(command: LaunchCommand, report: Report) -> None:
     """The launch line: what it starts, and an Accelerate config it names (which sets sharding too)."""
     world = command.world_size
-    report.add(f"({command.launcher})", Status.NOT_ABOUT_SHARDING, f"runs {command.script}"
-               + (f" on {world} processes (the world size Trainer sees)" if world else ""), target="sharding.world_size")
+    on = f" on {world} processes (the world size Trainer sees)" if world else ""
+    report.add(f"({command.launcher})", Status.NOT_ABOUT_SHARDING, f"runs {command.script}{on}",
+               target="sharding.world_size")
     named = [name for name in ("config_file", "use_fsdp", "use_deepspeed") if name in command.options]
     if command.launcher == "accelerate launch" and named:
         report.add(f"(accelerate launch --{named[0]})", Status.IGNORED, "the launcher's own FSDP/DeepSpeed settings "
