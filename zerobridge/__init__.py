@@ -48,8 +48,8 @@ from typing import Any
 
 from zerobridge._version import __version__ as __version__
 
-__all__ = ["clip_grad_norm_", "full_state_dict", "is_accumulation_boundary", "load_checkpoint", "load_pretrained",
-           "plan", "prepare", "reset_stats", "save_checkpoint", "save_full", "spec_of", "stats"]
+__all__ = ["clip_grad_norm_", "full_state_dict", "is_accumulation_boundary", "latest_checkpoint", "load_checkpoint",
+           "load_pretrained", "plan", "prepare", "reset_stats", "save_checkpoint", "save_full", "spec_of", "stats"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("zerobridge._version", "zerobridge.errors", "zerobridge.resources", "zerobridge.references"),

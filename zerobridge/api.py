@@ -36,7 +36,7 @@ from torch import nn
 from zerobridge.backends.base import backend_of, check_fresh
 from zerobridge.backends.native.prepare import prepare as prepare_native
 from zerobridge.checkpoint.run_state import Stateful, resumed, run_state
-from zerobridge.checkpoint.storage import CheckpointError
+from zerobridge.checkpoint.storage import CheckpointError, latest_checkpoint
 from zerobridge.distributed import init_distributed
 from zerobridge.env import choice_from_env, mark_prepared, resolve_allow_approximate, resolve_backend, resolve_compile
 from zerobridge.errors import ConfigError
@@ -48,9 +48,9 @@ from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 from zerobridge.translate.carried import SECTIONS
 
-__all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "is_accumulation_boundary", "load_checkpoint",
-           "load_pretrained", "prepare", "reset_stats", "resolve_spec", "save_checkpoint", "save_full",
-           "spec_for_stage", "spec_of", "stats"]
+__all__ = ["clip_grad_norm_", "full_state_dict", "init_distributed", "is_accumulation_boundary", "latest_checkpoint",
+           "load_checkpoint", "load_pretrained", "prepare", "reset_stats", "resolve_spec", "save_checkpoint",
+           "save_full", "spec_for_stage", "spec_of", "stats"]
 
 InitFn = Callable[[nn.Module], object]
 Prepared = nn.Module | tuple[nn.Module, torch.optim.Optimizer]
@@ -339,7 +339,8 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    scheduler: Stateful | None = None, strict: bool = True, rng: bool = True) -> dict[str, Any]:
+                    scheduler: Stateful | None = None, strict: bool = True, rng: bool = True,
+                    verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint into a prepared ``model`` (and ``optimizer``, ``scheduler``), resharding
     to this run's stage, world size and layout. Collective. Returns the
     ``metadata`` passed to ``save_checkpoint`` (``{}`` if none), plus
@@ -356,8 +357,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     the other way round). ``rng``: restore RNG states, rank ``r`` taking
     saved rank ``r mod saved world size``. Checkpoints written by
     ``torch.distributed.checkpoint`` (FSDP2) load too, unverified (they have
-    no manifest); a DeepSpeed checkpoint directory is refused with the
-    ``zerobridge checkpoint import-deepspeed`` command that converts it.
+    no manifest), with a warning; a zerobridge checkpoint whose
+    ``zerobridge.json`` was lost is refused unless ``verify=False``; a DeepSpeed
+    checkpoint directory is refused with the ``zerobridge checkpoint
+    import-deepspeed`` command that converts it. Any file that cannot be read
+    is named in the error.
 
     Args:
         path: a checkpoint directory written at any stage, world size, layout or backend.
@@ -366,9 +370,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         scheduler: the LR scheduler to restore (``None``: left as it is).
         strict: every name must match both ways, and optimizer and scheduler state must be there.
         rng: restore the random generators.
+        verify: check every file's size and sha256 against ``zerobridge.json`` before reading, and refuse
+            a zerobridge checkpoint without one; ``False`` reads unchecked.
     """
     run = backend_of(model).load_checkpoint(Path(path), optimizer, strict=strict, rng=rng,
-                                            with_scheduler=scheduler is not None)
+                                            with_scheduler=scheduler is not None, verify=verify)
     return resumed(run, scheduler)
 
 

@@ -23,6 +23,9 @@ through untouched. The strategy the user chose reaches every worker in
 ``ZEROBRIDGE_CONFIG`` (its grammar: ``zerobridge.env``), the backend in
 ``ZEROBRIDGE_BACKEND``, ``--allow-approximate`` in
 ``ZEROBRIDGE_ALLOW_APPROXIMATE=1``, ``--compile`` in ``ZEROBRIDGE_COMPILE=1``.
+``--max-restarts N`` restarts every worker after one dies, up to N times, each
+attempt with a fresh rendezvous store ([Note: restarts]); the script finds
+where to resume with ``zerobridge.latest_checkpoint``.
 The strategy and backend are checked before anything is started
 (``backends/preflight.py``): a config that does not load, or a spec the
 backend cannot run, is a ``ConfigError`` (exit 2).
@@ -55,7 +58,7 @@ from zerobridge.load import load_spec, load_spec_for_world
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import STAGES, spec_for_stage
 
-__all__ = ["add_run_arguments", "launch", "launch_env", "torchrun_command", "validate"]
+__all__ = ["add_run_arguments", "launch", "launch_env", "restarts", "torchrun_command", "validate"]
 
 # (argparse dest, torchrun flag) for every launcher option that takes a value.
 _VALUE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -198,13 +201,40 @@ def _preflight(args: argparse.Namespace, spec: StrategySpec) -> None:
               file=sys.stderr)
 
 
+def restarts(args: argparse.Namespace) -> bool:
+    """Whether the launch may restart its workers (``--max-restarts`` above 0)."""
+    return bool(getattr(args, "max_restarts", None))
+
+
+def _restart_rendezvous(args: argparse.Namespace) -> list[str]:
+    """[Note: restarts] torchrun's default (static) rendezvous keeps one store for every attempt: a restarted
+    worker reads the dead attempt's addresses under the same keys (its default group, every ``new_group``
+    FSDP2, DeepSpeed and the engine create) and fails with "Gloo connectFullMesh failed ... Connection
+    refused". A launch that may restart therefore uses the c10d rendezvous, and ``launch_env`` sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so each attempt gets a fresh store on a fresh port. One node:
+    ``localhost:0`` (a free port); several: ``--master-addr:--master-port`` (default 29500) on every node, as
+    the static rendezvous would have used. An explicit ``--rdzv-backend`` or ``--standalone`` is kept."""
+    if not restarts(args) or getattr(args, "rdzv_backend", None) or getattr(args, "standalone", False):
+        return []
+    nodes = str(getattr(args, "nnodes", None) or "1")
+    if nodes == "1":
+        endpoint = f"localhost:{args.master_port or 0}"
+    else:
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29500}"
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", getattr(args, "rdzv_endpoint", None) or endpoint]
+
+
 def torchrun_command(args: argparse.Namespace, *, python: str | None = None) -> list[str]:
-    """The launcher command for parsed ``zerobridge run`` arguments (pure: starts nothing)."""
+    """The launcher command for parsed ``zerobridge run`` arguments (pure: starts nothing). With
+    ``--max-restarts`` the rendezvous is c10d (see [Note: restarts])."""
     cmd = [python or sys.executable, "-m", "torch.distributed.run"]
+    rendezvous = _restart_rendezvous(args)
+    replaced = {"master_addr", "master_port", "rdzv_endpoint"} if rendezvous else set()
     for dest, flag in _VALUE_FLAGS:
         value = getattr(args, dest, None)
-        if value is not None:
+        if value is not None and dest not in replaced:
             cmd += [flag, str(value)]
+    cmd += rendezvous
     if getattr(args, "standalone", False):
         cmd.append("--standalone")
     if getattr(args, "module", False):
@@ -227,6 +257,8 @@ def launch_env(args: argparse.Namespace, base: Mapping[str, str] | None = None) 
         env[zenv.ALLOW_APPROXIMATE] = "1"
     if getattr(args, "compile", False):
         env[zenv.COMPILE] = "1"
+    if restarts(args):  # a fresh rendezvous store per attempt: [Note: restarts]
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 

@@ -78,9 +78,10 @@ class Backend(ABC):
 
     @abstractmethod
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
-                        with_scheduler: bool) -> RunState:
+                        with_scheduler: bool, verify: bool = True) -> RunState:
         """Load a checkpoint of any layout; return its run state (``checkpoint.metadata.read_run_state``, read
         before anything is loaded: ``with_scheduler`` and ``strict`` refuse one without scheduler state).
+        ``verify``: files checked against the manifest first (``checkpoint.reader.open_checkpoint``).
         Collective."""
 
     def pretrained_targets(self) -> list[Target]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerobridge.checkpoint.storage import CheckpointError
+from zerobridge.checkpoint.storage import MANIFEST, METADATA_FILE, CheckpointError, latest_checkpoint, leftovers
 
 __all__ = ["ACTIONS", "Action", "add_parser", "run"]
 
@@ -137,13 +137,49 @@ def _render(info: dict[str, Any]) -> str:
 
 
 def _info_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("path", help="checkpoint directory, or a folder of them (lists them, the latest and leftovers)")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
 
 
+def describe_folder(path: str | Path) -> dict[str, Any] | None:
+    """A folder of checkpoints (``ROOT/step-N``), not a checkpoint: the checkpoints in it, the one
+    ``zerobridge.latest_checkpoint`` resumes from, and what interrupted saves left (``None``: not such a folder)."""
+    root = Path(path)
+    if not root.is_dir() or (root / MANIFEST).exists() or (root / METADATA_FILE).exists():
+        return None
+    checkpoints = sorted(e.name for e in root.iterdir()
+                         if e.is_dir() and not e.name.startswith(".") and (e / MANIFEST).is_file())
+    left = leftovers(root)
+    if not checkpoints and not left:
+        return None
+    with warnings.catch_warnings(record=True) as skipped:
+        warnings.simplefilter("always")
+        latest = latest_checkpoint(root)
+    return {"path": str(root), "checkpoints": checkpoints, "latest": None if latest is None else latest.name,
+            "skipped": [str(w.message) for w in skipped],
+            "leftovers": [{"name": e.name, "live": live} for e, live in left]}
+
+
+def _render_folder(info: dict[str, Any]) -> str:
+    lines = [f"folder       {info['path']}",
+             f"checkpoints  {', '.join(info['checkpoints']) or 'none'}",
+             f"latest       {info['latest'] or 'none complete and verified'} (zerobridge.latest_checkpoint)"]
+    lines += [f"skipped      {line}" for line in info["skipped"]]
+    for entry in info["leftovers"]:
+        what = ("a save is writing it" if entry["live"] else
+                "left by a save that never finished; the next save into this folder removes it")
+        lines.append(f"leftover     {entry['name']}: {what}")
+    return "\n".join(lines) + "\n"
+
+
 def _info(args: argparse.Namespace) -> int:
-    info = describe(args.path)
-    print(json.dumps(info, indent=2) if args.json else _render(info), end="" if not args.json else "\n")
+    folder = describe_folder(args.path)
+    if folder is not None:
+        info, text = folder, _render_folder(folder)
+    else:
+        info = describe(args.path)
+        text = _render(info)
+    print(json.dumps(info, indent=2) if args.json else text, end="" if not args.json else "\n")
     return 0
 
 

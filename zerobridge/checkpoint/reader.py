@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from zerobridge.checkpoint.layout import Box, intersect, whole
+from zerobridge.checkpoint.layout import ZB, Box, intersect, whole
 from zerobridge.checkpoint.storage import (
     MANIFEST,
     METADATA_FILE,
@@ -141,8 +141,17 @@ class Checkpoint:
             raise
         except Exception as exc:  # a damaged file in a directory without a manifest
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CheckpointError(f"cannot read {what}: {type(exc).__name__}: {first}", source=self.path,
+            files = self._files(items)
+            where = self.path / files[0] if len(files) == 1 else self.path
+            held = f" (held in {', '.join(files)})" if len(files) > 1 else ""
+            raise CheckpointError(f"cannot read {what}{held}: {type(exc).__name__}: {first}", source=where,
                                   fix="the data files are damaged: restore the checkpoint from a good copy") from None
+
+    def _files(self, items: list[ReadItem]) -> list[str]:
+        """The data files that hold ``items``, by DCP's storage index."""
+        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, dict) else {}
+        names = {getattr(storage.get(item.storage_index), "relative_path", None) for item in items}
+        return sorted(n for n in names if isinstance(n, str))
 
     def read(self, targets: list[Target]) -> None:
         """Fill every target from the saved chunks that overlap its box."""
@@ -217,8 +226,26 @@ def _verify(path: Path, manifest: dict[str, Any], distributed: bool) -> None:
         raise CheckpointError(message, source=source, key=key, fix=fix)
 
 
-def open_checkpoint(path: str | Path, *, distributed: bool = False) -> Checkpoint:
-    """Recover an interrupted swap, verify every file, read the metadata; collective when ``distributed``."""
+def _unverified(path: Path, metadata: Metadata, verify: bool) -> None:
+    """A DCP directory without ``zerobridge.json``: FSDP2's or ``dcp.save``'s (read with a warning), or a zerobridge
+    checkpoint that lost its manifest (its own ``zerobridge.*`` keys): refused unless ``verify`` is off."""
+    ours = any(key.startswith(f"{ZB}.") for key in metadata.state_dict_metadata)
+    if ours and verify:
+        raise CheckpointError(f"holds zerobridge's keys but no {MANIFEST}: its files cannot be checked, so a "
+                              "damaged shard would load as wrong weights", source=path,
+                              fix=f"restore {MANIFEST} from the copy the checkpoint came from, or load it unchecked "
+                                  "with load_checkpoint(..., verify=False)")
+    what = (f"a zerobridge checkpoint without its {MANIFEST}" if ours
+            else "written by torch.distributed.checkpoint (FSDP2, dcp.save), not zerobridge")
+    warnings.warn(f"{path} has no {MANIFEST} ({what}): its files are read unchecked", stacklevel=4)
+
+
+def open_checkpoint(path: str | Path, *, distributed: bool = False, verify: bool = True) -> Checkpoint:
+    """Recover an interrupted swap, verify every file, read the metadata; collective when ``distributed``.
+
+    ``verify=False`` reads without checking files against ``zerobridge.json``, and
+    reads a zerobridge checkpoint whose manifest was lost (with a warning); by
+    default such a directory is refused: nothing could tell a damaged file."""
     path = Path(path).absolute()
     parallel = distributed and dist.is_initialized() and dist.get_world_size() > 1
     recovered = None
@@ -230,12 +257,12 @@ def open_checkpoint(path: str | Path, *, distributed: bool = False) -> Checkpoin
     manifest = None
     if kind == "zerobridge":
         manifest = read_manifest(path)
-        _verify(path, manifest, parallel)
-    else:
-        warnings.warn(f"{path} has no {MANIFEST} (written by torch.distributed.checkpoint, not zerobridge): its "
-                      "files cannot be checked before reading", stacklevel=3)
+        if verify:
+            _verify(path, manifest, parallel)
     with (path / METADATA_FILE).open("rb") as fh:
         metadata = read_metadata(fh, str(path / METADATA_FILE))
+    if kind == "dcp":
+        _unverified(path, metadata, verify)
     listed = set(manifest["files"]) if manifest is not None else None
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else None
     if storage is None:

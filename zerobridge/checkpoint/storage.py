@@ -14,25 +14,31 @@
     ...     print(str(exc).splitlines()[0].split(": ", 1)[1])
     is 5 bytes but zerobridge.json says 10: the file was truncated
 
-A save writes into a sibling directory ``.<name>.saving``, fsyncs every
+A save writes into a sibling directory ``.<name>.saving``, which rank 0 holds
+locked (``flock``) while it is written, fsyncs every
 file, writes ``zerobridge.json`` (size and sha256 of every file) last, then
 swaps the directory into place: ``renameat2(RENAME_EXCHANGE)`` where Linux
 offers it, else old aside (``.<name>.old``), new in, old deleted. A kill at
 any point leaves either the previous checkpoint or the new one under the
 name; ``recover`` (run by every load and ``checkpoint info``) puts an aside
-copy back when a kill landed between the two renames.
+copy back when a kill landed between the two renames. A save that failed
+removes its staging directory; one that was killed leaves it, unlocked, and
+the next save into the same parent removes it (``sweep_stale``), while a
+staging directory still locked by a live save is left alone and reported.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,9 +46,9 @@ from typing import Any
 
 from zerobridge.errors import ConfigError
 
-__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "aside_dir", "atomic_write_file", "checkpoint_kind",
-           "digest_files", "read_manifest", "recover", "saving_dir", "swap_into_place", "verify_files",
-           "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "StagingLock", "aside_dir", "atomic_write_file",
+           "checkpoint_kind", "digest_files", "latest_checkpoint", "leftovers", "read_manifest", "recover",
+           "recover_all", "saving_dir", "sweep_stale", "swap_into_place", "verify_files", "write_manifest"]
 
 MANIFEST = "zerobridge.json"
 FORMAT = "zerobridge-checkpoint"
@@ -58,6 +64,68 @@ class CheckpointError(ConfigError):
 def saving_dir(path: Path) -> Path:
     """Where a save writes before the swap."""
     return path.parent / f".{path.name}.saving"
+
+
+_SAVING = re.compile(r"^\.(?P<name>.+)\.(saving|old)$")
+
+
+class StagingLock:
+    """An exclusive ``flock`` on a staging directory, held by the rank that saves for as long as
+    the save runs: the kernel lets go of it when that process dies, so a staging directory
+    nobody holds is a save that will never finish."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock without waiting; False when a live process holds it."""
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
+def leftovers(parent: Path) -> list[tuple[Path, bool]]:
+    """``(directory, live)`` for every staging (``.NAME.saving``) or aside (``.NAME.old``) directory in
+    ``parent``: what interrupted saves left, ``live`` when a running save still holds it."""
+    found = []
+    for entry in sorted(parent.iterdir()) if parent.is_dir() else []:
+        if not entry.is_dir() or not _SAVING.match(entry.name):
+            continue
+        lock = StagingLock(entry)
+        try:
+            live = not lock.acquire()
+        except OSError:  # gone meanwhile, or unreadable: report it as held, never remove it
+            live = True
+        lock.release()
+        found.append((entry, live))
+    return found
+
+
+def sweep_stale(parent: Path, *, keep: Path) -> list[str]:
+    """Remove the staging directories in ``parent`` that killed saves left (no live process holds
+    their lock), except ``keep``; return a line per directory removed or left (still being written).
+    An aside copy (``.NAME.old``) is ``recover``'s: put back or removed for its own checkpoint."""
+    said = recover_all(parent)
+    for entry, live in leftovers(parent):
+        if entry == keep or entry.name.endswith(".old"):
+            continue
+        if live:
+            said.append(f"left {entry.name}: another save is writing it")
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        said.append(f"removed {entry.name}, left by a save that never finished")
+    return said
 
 
 def aside_dir(path: Path) -> Path:
@@ -278,3 +346,54 @@ def atomic_write_file(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_path(path.parent)
+
+
+def _newest_first(parent: Path) -> list[Path]:
+    """Checkpoint directories of ``parent`` (a manifest in them), the one named by ``parent/latest`` first, then by
+    when their manifest was written, newest first (names break ties: ``step-10`` after ``step-9``)."""
+    found = [e for e in parent.iterdir() if e.is_dir() and not e.name.startswith(".") and (e / MANIFEST).is_file()]
+    found.sort(key=lambda e: ((e / MANIFEST).stat().st_mtime_ns, _step(e)), reverse=True)
+    latest = parent / DEEPSPEED_LATEST
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip() if latest.is_file() else ""
+    named = [e for e in found if e.name == tag]
+    return named + [e for e in found if e.name != tag]
+
+
+def latest_checkpoint(parent: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``parent`` whose every file matches its manifest, or ``None``.
+
+    Where to resume after a restart: a save that never finished is not a
+    checkpoint (it has no manifest under its name), and a damaged one
+    (truncated, altered, a file missing) is skipped with a warning naming the
+    file. ``parent/latest`` (what ``zerobridge.deepspeed``'s ``save_checkpoint``
+    writes) names the one to take first; otherwise the newest manifest wins.
+    Reads every file of the checkpoint it returns once (sha256); not collective:
+    each rank may call it, and every rank gets the same answer while nothing
+    writes to ``parent``.
+
+        >>> import tempfile, pathlib
+        >>> latest_checkpoint(pathlib.Path(tempfile.mkdtemp())) is None
+        True
+    """
+    parent = Path(parent)
+    if not parent.is_dir():
+        return None
+    recover_all(parent)
+    for candidate in _newest_first(parent):
+        try:
+            verify_files(candidate, read_manifest(candidate))
+        except CheckpointError as exc:
+            warnings.warn(f"skipping {candidate}: {exc}", stacklevel=2)
+            continue
+        return candidate
+    return None
+
+
+def recover_all(parent: Path) -> list[str]:
+    """``recover`` every checkpoint of ``parent`` whose swap a kill interrupted (an aside ``.NAME.old``)."""
+    done = []
+    for entry in parent.iterdir():
+        found = _SAVING.match(entry.name)
+        if found and entry.name.endswith(".old") and (line := recover(parent / found["name"])):
+            done.append(line)
+    return done

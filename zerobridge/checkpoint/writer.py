@@ -25,6 +25,7 @@ fixed collective timeout.
 from __future__ import annotations
 
 import datetime
+import errno
 import io
 import shutil
 import threading
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
@@ -46,16 +48,18 @@ from zerobridge.checkpoint.layout import Box, key_path
 from zerobridge.checkpoint.storage import (
     METADATA_FILE,
     CheckpointError,
+    StagingLock,
     digest_files,
     recover,
     saving_dir,
     swap_into_place,
+    sweep_stale,
     write_manifest,
 )
 from zerobridge.distributed import group_timeout, host_world
 
-__all__ = ["THREADED_BYTES", "WRITER_THREADS", "Blob", "Piece", "RunCache", "save_timeout", "write_checkpoint",
-           "writer_threads"]
+__all__ = ["THREADED_BYTES", "WRITER_THREADS", "Blob", "Piece", "RunCache", "save_failed", "save_timeout",
+           "write_checkpoint", "writer_threads"]
 
 WRITER_THREADS = 4
 """Files (and threads) per rank for a large save: DCP writes them in parallel."""
@@ -200,22 +204,72 @@ def agree(distributed: bool, error: BaseException | None, value: Any = None, *,
     return [v for _, v in found]
 
 
+def _failed_ranks(exc: BaseException) -> tuple[list[int], str]:
+    """The ranks a DCP ``CheckpointException`` names and the first cause, in one line (an ``OSError``'s
+    ``[Errno 28] No space left on device``, not the per-rank tracebacks DCP's message carries)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return [], (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    causes = []
+    for wrapped in failures.values():
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        text = f"{type(cause).__name__}: {cause}" if not isinstance(cause, OSError) else (
+            f"[Errno {cause.errno}] {cause.strerror}" if cause.errno is not None else str(cause))
+        if text not in causes:
+            causes.append(text)
+    return sorted(int(r) for r in failures), "; ".join(causes)
+
+
+def save_failed(path: Path, exc: BaseException, *, staged_removed: bool) -> CheckpointError:
+    """What a save that failed while writing says, on every rank: the checkpoint, the ranks, the OS error,
+    that the previous checkpoint is untouched, and the fix."""
+    ranks, cause = _failed_ranks(exc)
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed: " if ranks else ""
+    previous = ("the previous checkpoint there is untouched" if path.exists()
+                else f"nothing was written under {path.name}; earlier checkpoints beside it are untouched")
+    cleaned = "the half-written save was removed" if staged_removed else \
+        f"remove the half-written {saving_dir(path).name} beside it"
+    disk = "No space left" in cause or "Disk quota" in cause
+    fix = (f"free space on {path.parent} ({cleaned}) or save elsewhere, then save again" if disk
+           else f"check permissions and the file system under {path.parent} ({cleaned}), then save again")
+    return CheckpointError(f"cannot save: {who}{cause}; {previous}", source=path, fix=fix)
+
+
+def _abandon(staged: Path, lock: StagingLock | None) -> bool:
+    """Rank 0, after a failed save: remove the staging directory; whether it is gone."""
+    if lock is not None:
+        lock.release()
+    shutil.rmtree(staged, ignore_errors=True)
+    return not staged.exists()
+
+
 def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, saved: dict[str, Any],
                      distributed: bool = True) -> None:
     """Write a DCP checkpoint of ``pieces`` and ``blobs`` at ``path``, atomically.
 
     Collective when ``distributed`` (every rank of the default group calls it
-    with its own pieces); ``saved`` goes into the manifest."""
+    with its own pieces); ``saved`` goes into the manifest. Any failure is a
+    ``CheckpointError`` on every rank (``save_failed``), after rank 0 removed the
+    staging directory; the checkpoint already at ``path`` stays. Staging
+    directories that killed saves left in the parent are removed first
+    (``storage.sweep_stale``)."""
     path = Path(path).absolute()
     staged = saving_dir(path)
     rank = dist.get_rank() if distributed else 0
     error: BaseException | None = None
+    lock: StagingLock | None = None
     if rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             recover(path)
             if staged.exists():  # a save that was killed: never complete, never the checkpoint
                 shutil.rmtree(staged)
+            for line in sweep_stale(path.parent, keep=staged):
+                warnings.warn(f"{path.parent}: {line}", stacklevel=3)
+            staged.mkdir()
+            lock = StagingLock(staged)
+            if not lock.acquire():
+                raise OSError(errno.EBUSY, "another process is saving to the same path", str(staged))
         except OSError as exc:
             error = CheckpointError(f"cannot prepare the save ({exc})", source=staged,
                                     fix="check permissions and free space")
@@ -223,23 +277,35 @@ def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, save
     patience = save_timeout(max(agree(distributed, error, nbytes)))
     writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True,
                               thread_count=writer_threads(nbytes), overwrite=True)
-    with warnings.catch_warnings():  # no_dist: DCP warns that it saves in one process, as asked
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed,
-                 process_group=host_world() if distributed else None)
-    digests: dict[str, Any] = {}
-    try:  # each rank hashes the files it wrote; rank 0 also DCP's metadata
-        mine = [f.name for f in staged.glob(f"__{rank}_*.distcp")] + ([METADATA_FILE] if rank == 0 else [])
-        digests = digest_files(staged, mine, threads=WRITER_THREADS)
-    except OSError as exc:
-        error = CheckpointError(f"cannot read back what this rank wrote ({exc})", source=staged,
-                                fix="check the file system and free space, then save again")
-    found = agree(distributed, error, digests, timeout=patience)
-    if rank == 0:
+    swapped = False
+    try:
         try:
-            write_manifest(staged, saved, {name: entry for part in found for name, entry in part.items()})
-            swap_into_place(staged, path)
+            with warnings.catch_warnings():  # no_dist: DCP warns that it saves in one process, as asked
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed,
+                         process_group=host_world() if distributed else None)
+        except (CheckpointException, OSError) as exc:  # DCP raises on every rank when any rank failed to write
+            removed = _abandon(staged, lock) if rank == 0 else True
+            raise save_failed(path, exc, staged_removed=removed) from None
+        digests: dict[str, Any] = {}
+        try:  # each rank hashes the files it wrote; rank 0 also DCP's metadata
+            mine = [f.name for f in staged.glob(f"__{rank}_*.distcp")] + ([METADATA_FILE] if rank == 0 else [])
+            digests = digest_files(staged, mine, threads=WRITER_THREADS)
         except OSError as exc:
-            error = CheckpointError(f"cannot finish the save ({exc}); the previous checkpoint is untouched",
-                                    source=path, fix="check permissions and free space, then save again")
-    agree(distributed, error)
+            error = save_failed(path, exc, staged_removed=True)
+        found = agree(distributed, error, digests, timeout=patience)
+        if rank == 0:
+            try:
+                write_manifest(staged, saved, {name: entry for part in found for name, entry in part.items()})
+                swap_into_place(staged, path)
+                swapped = True
+            except OSError as exc:
+                error = save_failed(path, exc, staged_removed=True)
+        agree(distributed, error)
+    except BaseException:
+        if rank == 0 and not swapped:  # never leave a half-written save behind, whatever stopped it
+            _abandon(staged, lock)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()

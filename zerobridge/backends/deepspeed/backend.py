@@ -108,8 +108,8 @@ class DeepSpeedBackend(Backend):
             return save(self, path, with_optimizer=optimizer is not None, run=run)
 
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
-                        with_scheduler: bool) -> RunState:
+                        with_scheduler: bool, verify: bool = True) -> RunState:
         self._check_optimizer(optimizer)
         with self.stepper.counting():
             return load(self, path, with_optimizer=optimizer is not None, strict=strict, rng=rng,
-                        with_scheduler=with_scheduler)
+                        with_scheduler=with_scheduler, verify=verify)

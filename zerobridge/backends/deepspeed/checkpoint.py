@@ -112,9 +112,9 @@ def save(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, run: RunSta
 
 
 def load(backend: DeepSpeedRun, path: Path, *, with_optimizer: bool, strict: bool, rng: bool,
-         with_scheduler: bool = False) -> RunState:
+         with_scheduler: bool = False, verify: bool = True) -> RunState:
     """Load any zerobridge (or FSDP2) checkpoint into the engine. Collective."""
-    ckpt = open_checkpoint(path, distributed=_distributed())
+    ckpt = open_checkpoint(path, distributed=_distributed(), verify=verify)
     read_run_state(ckpt, with_scheduler=with_scheduler, strict=strict)  # refuses early what is missing
     state = portable_from(ckpt, optimizer=with_optimizer)
     params = backend.named_params()

@@ -111,8 +111,8 @@ class FsdpBackend(Backend):
         return save_fsdp(path, self, optimizer, run)
 
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
-                        with_scheduler: bool) -> RunState:
-        return load_fsdp(path, self, optimizer, strict=strict, rng=rng, with_scheduler=with_scheduler)
+                        with_scheduler: bool, verify: bool = True) -> RunState:
+        return load_fsdp(path, self, optimizer, strict=strict, rng=rng, with_scheduler=with_scheduler, verify=verify)
 
     def pretrained_targets(self) -> list[Target]:
         return dtensor_targets(self.model)

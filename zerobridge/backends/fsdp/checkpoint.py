@@ -186,11 +186,11 @@ def _staged(ckpt: Checkpoint, key: str, box: Box, targets: list[Target]) -> torc
 
 
 def load_fsdp(path: Path, backend: FsdpRun, optimizer: torch.optim.Optimizer | None, *, strict: bool,
-              rng: bool, with_scheduler: bool = False) -> RunState:
+              rng: bool, with_scheduler: bool = False, verify: bool = True) -> RunState:
     """``load_checkpoint`` on the FSDP2 backend: each rank reads its rows. Collective."""
     import torch.distributed as dist
 
-    ckpt = open_checkpoint(path, distributed=True)
+    ckpt = open_checkpoint(path, distributed=True, verify=verify)
     run = read_run_state(ckpt, with_scheduler=with_scheduler, strict=strict)
     shards = _shards(backend)
     first = {id(s.param): s.names[0] for s in shards}

@@ -67,11 +67,11 @@ class NativeBackend(Backend):
         return save_native(path, self.model, self.engine, optimizer, run)
 
     def load_checkpoint(self, path: Path, optimizer: torch.optim.Optimizer | None, *, strict: bool, rng: bool,
-                        with_scheduler: bool) -> RunState:
+                        with_scheduler: bool, verify: bool = True) -> RunState:
         from zerobridge.backends.native.checkpoint import load_native  # lazy: loads torch.distributed.checkpoint
 
         return load_native(path, self.model, self.engine, optimizer, strict=strict, rng=rng,
-                           with_scheduler=with_scheduler)
+                           with_scheduler=with_scheduler, verify=verify)
 
     def pretrained_targets(self) -> list[Target]:
         return engine_targets(self.engine)

@@ -287,9 +287,9 @@ def save_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.o
 
 
 def load_native(path: Path, model: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer | None, *,
-                strict: bool, rng: bool, with_scheduler: bool = False) -> RunState:
+                strict: bool, rng: bool, with_scheduler: bool = False, verify: bool = True) -> RunState:
     """``load_checkpoint`` on the native engine: each rank reads the chunks its runs overlap."""
-    ckpt = open_checkpoint(path, distributed=True)
+    ckpt = open_checkpoint(path, distributed=True, verify=verify)
     run = read_run_state(ckpt, with_scheduler=with_scheduler, strict=strict)
     load_engine(ckpt, engine, model, optimizer, strict=strict)
     extras = {name: ckpt.full(f"{ZB}.{name}") for name in ("loss_scaler", "skipped_steps")
