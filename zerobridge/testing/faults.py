@@ -209,11 +209,11 @@ def _no_space(rank: int) -> Iterator[None]:
     def full(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if dist.get_rank() == rank:
-        filesystem._write_item = full  # type: ignore[assignment]
+        filesystem._write_item = full
     try:
         yield
     finally:
-        filesystem._write_item = write  # type: ignore[assignment]
+        filesystem._write_item = write
 
 
 def _fill(root: Path, leave: int) -> Path:
