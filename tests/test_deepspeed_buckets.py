@@ -76,6 +76,8 @@ def test_per_unit_without_the_model_is_auto_where_trainer_fills_it() -> None:
     below = write_deepspeed(with_run_settings(load_spec("fsdp-shard-grad-op").value).value)
     # below stage 3 Trainer leaves stage3_prefetch_bucket_size alone: a number, never a stray "auto"
     assert below.value["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
+    gather = below.report.find("communication.allgather_bucket")  # stage 2: used, but DeepSpeed allocates nothing
+    assert gather is not None and gather.impact is Impact.SPEED and "no buffer of its own" in gather.note
 
 
 def test_the_model_sizes_every_bucket_to_its_largest_unit() -> None:

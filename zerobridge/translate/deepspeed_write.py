@@ -37,7 +37,7 @@ from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.deepspeed_buckets import BucketSizes, gathered_ahead, reduce_buffers
 from zerobridge.translate.mapping import load_table
-from zerobridge.translate.report import Report, Status, Translation
+from zerobridge.translate.report import Impact, Report, Status, Translation
 from zerobridge.translate.wire import write_deepspeed_wire
 
 __all__ = ["write_deepspeed"]
@@ -171,8 +171,9 @@ def _bucket(spec: StrategySpec, stage: Stage, name: str, key: str, report: Repor
                 f"deepspeed.initialize drops \"auto\" for its default, {default:.0e} elements "
                 f"({_cost(name, default, stage, spec)}): pass --model config.json to zerobridge convert to size "
                 "it for the model")
-    if used:
-        report.add(f"communication.{name}", Status.APPROXIMATED, note, target=f"zero_optimization.{key}")
+    if used:  # the all-gather bucket costs no memory in DeepSpeed: speed only, whatever its size
+        report.add(f"communication.{name}", Status.APPROXIMATED, note, target=f"zero_optimization.{key}",
+                   impact=Impact.SPEED if name == "allgather_bucket" else None)
     return written
 
 
