@@ -168,7 +168,8 @@ def _bucket_sizing() -> list[str]:
            "rounded up to even: DeepSpeed asserts it of `allgather_bucket_size`). Plain `deepspeed.initialize` "
            "drops `\"auto\"` without a word and preallocates its default: pass `--model`.\n\n"
            "The report files these keys, `max_live_parameters` and the persistence thresholds under memory, with "
-           "the bytes (`translate/deepspeed_buckets.py`): at stages 1-2 DeepSpeed preallocates 2 x "
+           "the bytes (`translate/deepspeed_buckets.py`; the DeepSpeed writer's all-gather entry is speed: DeepSpeed "
+           "allocates nothing for that bucket): at stages 1-2 DeepSpeed preallocates 2 x "
            "`reduce_bucket_size` elements with `overlap_comm` (1 x without), at stage 3 one flat reduce bucket of "
            "`reduce_bucket_size`, and at stage 3 it gathers up to `stage3_prefetch_bucket_size` elements ahead "
            "of use; all in the compute dtype.\n"]
