@@ -377,3 +377,16 @@ def test_demo_round_trip_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, out
     assert "same run: zero3-offload as DeepSpeed JSON and that JSON written and read once more" in out
     assert "changed on the way" not in out
+
+
+def test_convert_report_texts_name_what_fixes_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33 item 16: each warning's fix is about its own key."""
+    bf16 = tmp_path / "bf16.json"
+    bf16.write_text('{"bf16": {"enabled": true}, "zero_optimization": {"stage": 3}}')
+    _, _, err = run(capsys, "convert", str(bf16), "--to", "accelerate-fsdp")
+    skipping = next(line for line in err.splitlines() if "skip_nonfinite_steps" in line)
+    assert "mixed_precision_policy" not in skipping and "clip_grad_norm_" in skipping
+    _, _, err = run(capsys, "convert", "zero3-offload", "--to", "accelerate-fsdp")
+    assert "warning: name:" not in err  # the registry name is a label, not a setting
+    code, _, err = run(capsys, "convert", "mics", "--to", "fsdp2", "--world-size", "12")
+    assert code == 2 and "shard_group=8 does not divide the world size 12" in err and "global" not in err

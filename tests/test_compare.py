@@ -93,6 +93,16 @@ def test_failed_run_fails_the_comparison_and_the_next_run_is_reference() -> None
     assert c.status == "disagree" and c.verdict().startswith("zerobridge compare: runs disagree")
 
 
+def test_a_divergence_between_precisions_says_so() -> None:
+    bf16 = outcome("native/bf16", [3.0, 2.1])
+    object.__setattr__(bf16.planned, "spec", spec_for_stage(3).model_copy(update={
+        "precision": spec_for_stage(3).precision.model_copy(update={"param_dtype": "bf16"})}))
+    c = comparison(outcome("native/stage3", [3.0, 2.0]), bf16)
+    assert c.status == "disagree" and "the runs compute in bf16 and fp32" in c.verdict()
+    assert "compute in" not in comparison(outcome("native/stage3", [3.0, 2.0]),
+                                          outcome("fsdp/stage3", [3.0, 2.1])).verdict()
+
+
 def test_every_status_has_its_own_exit_code() -> None:
     from zerobridge.compare.cli import EXIT_CODES
 

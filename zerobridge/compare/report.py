@@ -207,6 +207,11 @@ class Comparison:
         """One line for people, and a line per problem."""
         ref = self.reference
         lines = [d.describe(ref.planned.name if ref else "?") for d in self.divergences]
+        mixed = sorted({compute_dtype(r.planned.spec) for r in self.runs if r.error is None})
+        if self.divergences and len(mixed) > 1:
+            lines.append(f"  note: the runs compute in {' and '.join(mixed)}: a run in another precision than the "
+                         "reference diverges by design; compare configs of one precision, or pass --tolerance and "
+                         "--norm-tolerance wide enough for the difference")
         lines += [f"failed {r.planned.name}: {r.error}" for r in self.failed]
         if self.divergences:
             return "\n".join(["zerobridge compare: runs disagree", *lines])

@@ -42,6 +42,8 @@ _HINTS = {
     "precision.loss_scaling": "pass kwargs_handlers=[GradScalerKwargs(...)] to Accelerator in code; torch's scaler "
                               "has no hysteresis and no minimum scale",
     "precision.buffer_dtype": "FSDP2 has no buffer dtype: buffers keep the dtype they were created in",
+    "precision.skip_nonfinite_steps": "FSDP steps on inf/nan gradients; in the loop, skip optimizer.step() when "
+                                      "the norm accelerator.clip_grad_norm_ returns is not finite",
     "precision.": "pass FullyShardedDataParallelPlugin(mixed_precision_policy=...) in code",
     "communication.max_inflight_gathers": "FSDP1's limit_all_gathers (always on through Accelerate) has no FSDP2 form",
     "communication.": "FSDP communicates once per wrap unit",
@@ -196,6 +198,8 @@ def _checked(spec: StrategySpec, out: dict[str, Any], report: Report, hint: str)
     back = read_accelerate(Located(out, "<written accelerate config>")).value
     done = [e.key for e in report.entries]
     for path, want, got in spec_diff(spec, back):
+        if path == "name":  # the spec's label (a registry name), not a setting: nothing to carry
+            continue
         if not any(path == k or path.startswith(k + ".") for k in done):
             extra = hint or next((h for p, h in _HINTS.items() if path.startswith(p)), "")
             report.add(path, _status(spec, path, want), join_notes(f"{want!r} has no form here; the config gives "

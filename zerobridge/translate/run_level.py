@@ -115,8 +115,11 @@ def with_run_settings(spec: StrategySpec, *, micro_batch: int | None = None, acc
         return Translation(StrategySpec.model_validate(data), report)
     except ValidationError as exc:
         error = from_validation_error(exc)
-        raise ConfigError(error.message, key="--world-size" if world_size is not None else error.key, fix=error.fix or
-                          "pass values that satisfy global = micro x accumulation x world size") from None
+        batch = (error.key or "batch").startswith("batch")
+        fix = error.fix or ("pass values that satisfy global = micro x accumulation x world size" if batch else
+                            f"pass a --world-size that fits the source's {error.key}, or change {error.key} there")
+        raise ConfigError(error.message, key="--world-size" if world_size is not None else error.key,
+                          fix=fix) from None
 
 
 def _replace(report: Report, batch: dict[str, Any], name: str, value: Any, flag: str) -> None:
