@@ -45,7 +45,7 @@ from zerobridge.spec import GradSync
 __all__ = ["NO_GRADIENTS", "AccumulationWindow", "WindowState", "no_gradients"]
 
 NO_GRADIENTS = ("clip_grad_norm_ needs gradients: call it after backward at an accumulation boundary (outside "
-                "no_sync), before optimizer.step()")
+                "no_sync), before optimizer.step(): guard it with `if zerobridge.is_accumulation_boundary(model):`")
 """What every backend says when gradients are asked for before a boundary handed them over."""
 
 
