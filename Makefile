@@ -9,7 +9,7 @@ STAMP := $(VENV)/.setup-stamp
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo lint test test-gpu clean
+.PHONY: setup demo lint test test-steps test-gpu clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,13 @@ lint: setup
 	$(BIN)/ruff check zerobridge tests bench examples
 	$(BIN)/mypy
 
-# Lint, the suite, then a short comparison as a CI gate would run it.
-test: lint
+# Lint, the suite, then a short comparison as a CI gate would run it; says how long it all took
+# (setup and lint included). Every pytest run prints its slowest tests and the time per module (tests/conftest.py).
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-steps; code=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s wall, setup and lint included (exit $$code)"; exit $$code
+
+test-steps: lint
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/zerobridge compare --stages 0 3 --steps 3
 

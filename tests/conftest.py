@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -54,3 +55,38 @@ def corpus() -> Path:
     if root is None:
         pytest.skip("no ../shared/corpus (set ZEROBRIDGE_CORPUS)")
     return root
+
+
+# ----------------------------------------------------------------------------- the suite's time budget
+
+SLOWEST = 15
+"""How many of the slowest tests every run prints."""
+TEST_BUDGET_S = 60.0
+"""No single test (setup, call and teardown together) should take longer."""
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SPENT[report.nodeid] = _SPENT.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The slowest tests (setup + call + teardown), the time per module, and the tests over the budget:
+    printed by every run, so a regression in the suite's time shows where it happened."""
+    if not _SPENT:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section(f"time: the {SLOWEST} slowest tests, and per module")
+    for nodeid, spent in sorted(_SPENT.items(), key=lambda item: -item[1])[:SLOWEST]:
+        write(f"{spent:8.1f} s  {nodeid}")
+    modules: dict[str, float] = {}
+    for nodeid, spent in _SPENT.items():
+        module = nodeid.split("::", 1)[0]
+        modules[module] = modules.get(module, 0.0) + spent
+    write("")
+    for module, spent in sorted(modules.items(), key=lambda item: -item[1]):
+        write(f"{spent:8.1f} s  {module}")
+    write(f"{sum(modules.values()):8.1f} s  in {len(_SPENT)} tests")
+    over = [nodeid for nodeid, spent in _SPENT.items() if spent > TEST_BUDGET_S]
+    if over:
+        write(f"over the {TEST_BUDGET_S:.0f} s budget per test: {', '.join(sorted(over))}", yellow=True)
