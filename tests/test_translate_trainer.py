@@ -322,6 +322,16 @@ def test_corpus_script_flags_round_trip(path: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.corpus
+def test_corpus_fsdp_config_alone_reads_as_the_run_it_configures(tmp_path: Path) -> None:
+    path = next(p for p in corpus_files("trainer") if p.suffix == ".json")
+    t = load_spec(path)
+    assert t.value.wrapping.layer_classes == ("GptOssDecoderLayer",) and t.value.checkpoint.activation_checkpointing
+    assert t.report.find("fsdp_config.backward_prefetch").status is Status.IGNORED  # FSDP1-only, Trainer runs FSDP2
+    check_fsdp_launch(t.value, tmp_path)
+    assert load_spec(script(tmp_path, '{"reshard_after_forward": false}', "kwargs.json")).report.source == "fsdp2"
+
+
+@pytest.mark.corpus
 def test_trainer_corpus_is_there_when_present() -> None:
     if corpus_dir() is None:
         pytest.skip("no corpus")

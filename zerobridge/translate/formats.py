@@ -37,7 +37,7 @@ from zerobridge.translate.report import Report, Status, Translation
 from zerobridge.translate.sources import Located, note_lenient, parse_json, parse_toml, parse_yaml, read_text
 from zerobridge.translate.torchtitan import read_torchtitan
 from zerobridge.translate.torchtitan_write import toml_text, write_torchtitan
-from zerobridge.translate.trainer_read import read_trainer
+from zerobridge.translate.trainer_read import is_fsdp_config, read_trainer
 from zerobridge.translate.trainer_write import TrainerLaunch, write_trainer_deepspeed, write_trainer_fsdp
 
 __all__ = ["SOURCES", "TARGETS", "detect_format", "read", "read_file", "render", "write"]
@@ -61,7 +61,7 @@ def detect_format(located: Located) -> str:
     data = located.data
     keys = set(data)
     suffix = Path(located.source).suffix.lower()
-    trainer = isinstance(located, ScriptLocated) or keys & _TRAINER_KEYS - {"fsdp_config"}
+    trainer = isinstance(located, ScriptLocated) or keys & _TRAINER_KEYS - {"fsdp_config"} or is_fsdp_config(keys)
     if trainer and "distributed_type" not in keys:
         return "trainer"
     if "distributed_type" in keys or "fsdp_config" in keys or "deepspeed_config" in keys:

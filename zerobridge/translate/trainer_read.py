@@ -50,7 +50,7 @@ from zerobridge.translate.report import Impact, Report, Status, Translation
 from zerobridge.translate.sources import Located, parse_json, read_text
 from zerobridge.translate.trainer_flags import CARRIED_FLAGS, DEPRECATED_FLAGS, RENAMED_FLAGS, deepspeed_filled
 
-__all__ = ["FORMAT", "read_trainer"]
+__all__ = ["FORMAT", "is_fsdp_config", "read_trainer"]
 
 FORMAT = "trainer"
 _RUN_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16", "fp16",
@@ -62,7 +62,17 @@ _PLUGIN_KEYS = ("version", "cpu_offload", "auto_wrap_policy", "min_num_params", 
                 "cpu_ram_efficient_loading", "state_dict_type", "activation_checkpointing", "reshard_after_forward",
                 "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings", *_PLUGIN_V1)
 """The ``fsdp_config`` keys ``TrainingArguments._process_fsdp_args`` reads (FSDP1-only ones last)."""
+_CONFIG_ONLY = frozenset({"transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading", "activation_checkpointing",
+                          "version", "min_num_params"})
+"""``fsdp_config`` keys no FSDP keyword-argument file has at its top level."""
 _STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
+
+
+def is_fsdp_config(keys: set[str]) -> bool:
+    """Whether top-level ``keys`` are a Trainer ``fsdp_config`` file on its own (what ``--fsdp_config`` names)."""
+    bare = {key.removeprefix("fsdp_") for key in keys}
+    return bool(keys) and bare <= set(_PLUGIN_KEYS) and bool(
+        bare & _CONFIG_ONLY or any(key.startswith("fsdp_") for key in keys))
 
 
 def truthy(value: Any) -> bool:
@@ -88,6 +98,10 @@ def read_trainer(located: Located, *, base_dir: Path | None = None) -> Translati
         _launcher(located.command, report)
     flags = {str(k).lstrip("-").replace("-", "_"): v for k, v in located.data.items()}
     lines = dict(located.lines)
+    if is_fsdp_config(set(located.data)):  # an fsdp_config file alone: the run --fsdp --fsdp_config FILE gives
+        flags, lines = {"fsdp": True, "fsdp_config": dict(located.data)}, {}
+        report.add("(fsdp_config file)", Status.EXACT, f"read as --fsdp --fsdp_config {located.source}",
+                   target="sharding")
     for old, new in RENAMED_FLAGS.items():
         if old in flags and new not in flags:
             flags[new] = flags.pop(old)
