@@ -133,6 +133,25 @@ def test_only_given_flags_are_passed(script: Path) -> None:
         "--max-restarts", "3", "--standalone", str(script), "a", "--b"]
 
 
+@pytest.mark.parametrize(("flags", "expected"), [
+    ((), ["--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]),
+    (("--master-port", "29511"),
+     ["--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29511"]),
+    (("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"),
+     ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+      "--rdzv-endpoint", "10.0.0.1:29500"]),
+    (("--rdzv-backend", "etcd", "--rdzv-endpoint", "e:2379"),
+     ["--nproc-per-node", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "e:2379", "--max-restarts", "1"]),
+])
+def test_restarts_get_a_fresh_rendezvous_store_per_attempt(flags: tuple[str, ...], expected: list[str]) -> None:
+    """torchrun's static rendezvous shares one store across attempts, whose stale addresses refuse the restarted
+    workers: with --max-restarts the launch uses c10d (a given rendezvous is kept) and no shared store."""
+    args = parse("--nproc", "2", *flags, "--max-restarts", "1", "train.py")
+    assert torchrun_command(args, python="py") == ["py", "-m", "torch.distributed.run", *expected, "train.py"]
+    assert launch_env(args, base={})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_env(parse("--nproc", "2", "train.py"), base={})
+
+
 def test_flags_after_the_script_belong_to_the_script() -> None:
     args = parse("--nproc", "2", "--stage", "1", "train.py", "--stage", "3", "--nproc", "x", "-h", "--", "-m")
     assert args.stage == 1 and args.nproc == "2"
