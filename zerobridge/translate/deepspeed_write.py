@@ -10,7 +10,10 @@ DeepSpeed's defaults have moved between releases (clipping 0.0 -> 1.0,
 pin_memory false -> true), so the output never relies on one: each key the
 spec decides is written. Keys DeepSpeed would reject (its sections forbid
 unknown keys; the keys it removed, ``[removed]`` in ``mappings/deepspeed.toml``,
-make it raise) are never emitted.
+make it raise) are never emitted. Buckets the spec leaves to the engine
+(``per_unit``, FSDP's one collective per unit) are sized for the model when
+``sizes`` is given, else written ``"auto"`` where HF Trainer and Accelerate
+fill them, never as DeepSpeed's 5e8 defaults (``deepspeed_buckets.py``).
 """
 
 from __future__ import annotations
@@ -162,8 +165,7 @@ def _bucket(spec: StrategySpec, stage: Stage, name: str, key: str, report: Repor
         note = f"{why}; sized to {sizes.basis}: {_cost(name, written, stage, spec)}"
     elif not filled:  # the all-gather bucket (no buffer), or prefetch below stage 3 (unused)
         written = default
-        note = (f"{why}; DeepSpeed's default ({written:.0e} elements) written: it allocates no buffer of its own "
-                "(the all-gather after the step fills the flat parameter buffer), so memory is unchanged")
+        note = f"{why}; DeepSpeed's default ({written:.0e} elements) written: {_cost(name, written, stage, spec)}"
     else:
         written = AUTO
         fills = "hidden_size^2" if name == "reduce_bucket" else "0.9 x hidden_size^2"
