@@ -18,7 +18,9 @@ that runs ``torchrun``, ``deepspeed``, ``accelerate launch``, ``python -m
 torch.distributed.run``/``launch`` or ``python script.py``, after any
 ``NAME=value`` prefixes. The launcher's own options are kept apart from the
 script's flags; quoting is undone as the shell does, and ``$VARS`` and ``~``
-are kept as written (nothing is expanded). A flag with no value (``--fp16``)
+are kept as written (nothing is expanded); the arguments end at a pipe or
+redirection (``2>&1 | tee log``), and the script's positional arguments and
+array expansions (``"${EXTRA[@]}"``) are skipped. A flag with no value (``--fp16``)
 reads as ``True``; ``--a-b`` is ``--a_b``, as ``HfArgumentParser`` accepts
 both. A flags file is the same without a launcher: flags only, any number of
 lines.
@@ -145,6 +147,10 @@ def _split_launcher(tokens: list[tuple[int, str]], first: int) -> tuple[dict[str
         word = tokens[i][1]
         if word == "-m" and i + 1 < len(tokens):
             return options, tokens[i + 1][1], i + 2
+        if word.startswith("$") and not word.endswith(".py") and i + 1 < len(tokens) \
+                and not tokens[i + 1][1].startswith("-"):  # launcher options in a variable ("${ARGS[@]}")
+            i += 1
+            continue
         if not word.startswith("-"):
             return options, word, i + 1
         name, eq, value = word.partition("=")
@@ -166,11 +172,23 @@ def _is_flag(word: str) -> bool:
     return not word[2:3].isdigit()
 
 
-def _flags(tokens: list[tuple[int, str]], source: str) -> tuple[dict[str, Any], dict[str, int]]:
+def _is_operator(word: str) -> bool:
+    """A pipe, list operator or redirection: the command's arguments end here (``2>&1 | tee log``)."""
+    return word in ("|", "||", "&&", ";", "&") or word.lstrip("0123456789&").startswith((">", "<"))
+
+
+def _flags(tokens: list[tuple[int, str]], source: str, *, script: bool = True) -> tuple[dict[str, Any],
+                                                                                        dict[str, int]]:
+    """``--name value`` pairs; ``script``: the script's own positional arguments and unseen expansions
+    (``"${EXTRA[@]}"``) are skipped, where a flags file refuses anything but flags."""
     data: dict[str, Any] = {}
     lines: dict[str, int] = {}
     last: str | None = None
     for number, word in tokens:
+        if _is_operator(word):
+            break
+        if script and (last is None or word.startswith("$") and data[last] is not True) and not _is_flag(word):
+            continue
         if _is_flag(word):
             name, eq, value = word[2:].partition("=")
             last = name.replace("-", "_")
@@ -225,5 +243,5 @@ def parse_flags_file(text: str, source: str) -> ScriptLocated:
     if not tokens:
         raise ConfigError("no flags in the file", source=source, line=1,
                           fix="write the TrainingArguments flags, e.g. --fsdp --fsdp_config fsdp.json")
-    data, lines = _flags(tokens, source)
+    data, lines = _flags(tokens, source, script=False)
     return ScriptLocated(data=data, source=source, text=text, lines=lines)
