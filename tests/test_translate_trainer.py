@@ -114,7 +114,7 @@ CUDA_VISIBLE_DEVICES=0,1 python -m torch.distributed.run --nnodes 2 --nproc-per-
     named = read_trainer(parse_launch_script("accelerate launch --config_file fsdp.yaml t.py --bf16\n", "c.sh"))
     assert named.report.find("(accelerate launch --config_file)").status is Status.IGNORED
     arrays = parse_launch_script('torchrun "${DIST[@]}" "$ROOT/train.py" config.yaml \\\n  --fsdp '
-                                 '"shard_grad_op auto_wrap" "${EVAL[@]}" --max_grad_norm 0.5 2>&1 | tee -a log\n', "t.sh")
+                                 '"shard_grad_op auto_wrap" "${EVAL[@]}" --max_grad_norm 0.5 2>&1 | tee log\n', "t.sh")
     assert arrays.command is not None and arrays.command.script == "$ROOT/train.py"
     assert arrays.data == {"fsdp": "shard_grad_op auto_wrap", "max_grad_norm": "0.5"}
     flags = parse_flags_file("# flags\n--fsdp\n--fsdp_config fsdp.json\n--bf16 true\n", "f.args")
