@@ -227,9 +227,8 @@ def _model_sizes(model: str, spec: StrategySpec, target: str | None) -> BucketSi
     if target != "deepspeed":
         raise ConfigError(f"--model {model} sizes DeepSpeed's buckets, and --to is {target}", key="--model",
                           fix="drop --model, or write --to deepspeed")
-    # lazy: torch and transformers, which the other conversions never need
-    from zerobridge.planning.models import resolve_model
-    from zerobridge.runtime.wrap_units import bucket_sizes
+    from zerobridge.planning.models import resolve_model  # lazy: it loads torch (other conversions never do)
+    from zerobridge.runtime.wrap_units import bucket_sizes  # lazy: it loads torch
 
     try:
         built = resolve_model(model).build()

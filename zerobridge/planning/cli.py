@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if args.to is not None:
         spec, sizes = with_run_settings(best.spec, world_size=args.world_size).value, None
         if args.to == "deepspeed":  # buckets sized for the model, not DeepSpeed's 5e8 defaults
-            from zerobridge.planning.candidates import deepspeed_form
-            from zerobridge.planning.models import resolve_model
+            from zerobridge.planning.candidates import deepspeed_form  # lazy: it loads torch
+            from zerobridge.planning.models import resolve_model  # lazy: it loads torch
 
             spec, sizes = deepspeed_form(spec, resolve_model(args.model).build(), own=best.own)
         written = write(spec, args.to, sizes=sizes)
