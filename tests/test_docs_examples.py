@@ -377,3 +377,18 @@ def test_documented_verdicts_have_the_format_compare_prints() -> None:
               for line in page.read_text(encoding="utf-8").splitlines() if re.match(r"^(# exit 0: )?OK: ", line)]
     assert quoted and all(OK_LINE.match(text) for _, text in quoted), \
         [f"{page.name}: {text}" for page, text in quoted if not OK_LINE.match(text)]
+
+
+def test_inline_commands_and_paths_are_real() -> None:
+    """Prose names real subcommands (`zerobridge convert`, not `translate`) and files that exist."""
+    from zerobridge.cli import _COMMANDS
+
+    where = [REPO, REPO / "zerobridge", REPO / "zerobridge" / "backends", REPO / "docs"]
+    wrong = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        wrong += [f"{page.name}: zerobridge {sub}" for sub in re.findall(r"`zerobridge ([a-z][a-z-]*)", text)
+                  if sub not in _COMMANDS]
+        wrong += [f"{page.name}: {path}" for path in re.findall(r"`([\w.-]+/[\w./-]+\.(?:py|toml|md))`", text)
+                  if not any((root / path).exists() for root in where)]
+    assert not wrong, wrong
