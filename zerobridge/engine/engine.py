@@ -369,7 +369,8 @@ class Engine:
         """Agree on the used parameters (and any overflow, when steps may be skipped):
         one all-reduce, one host read."""
         device = self.groups[0].full.device
-        parts = [g.used.to(device) for g in self.trainable]
+        used = [float(u) for g in self.trainable for u in g.used]
+        parts = [torch.tensor(used, dtype=torch.float32, device=device)] if used else []
         if self.stepper.checks_nonfinite:
             parts.append(nonfinite_flag([g.grad_store for g in self.trainable if g.grad_store is not None], device))
         flags = torch.cat(parts) if parts else torch.zeros(0, device=device)

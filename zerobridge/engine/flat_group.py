@@ -157,8 +157,12 @@ class FlatGroup:
         self.local_acc: torch.Tensor | None = None
         self.store_is_accumulator = False
         self.accumulated = [False] * len(layout.buckets)
-        self.used = torch.zeros(len(refs), dtype=torch.float32)
+        self.used = [False] * len(refs)
+        """Which parameters got a gradient in this accumulation window, on this rank: plain flags set by a
+        gradient hook (no tensor op per parameter per backward); ``Engine._close_window`` sends them once."""
         self.optimizer_grads: torch.Tensor | None = None
+        self._grad_views: tuple[torch.Tensor | None, list[torch.Tensor]] = (None, [])
+        """(the grad store they view, each parameter's gradient as a view of it): made once, not per step."""
         self.handed: list[bool] = []
         """Used parameters at the last boundary (who gets an optimizer gradient, ``grad_store.py``)."""
         self.pending = False
@@ -302,7 +306,7 @@ class FlatGroup:
 
     def _used_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            self.used[i] = 1.0
+            self.used[i] = True
         return hook
 
     def restore(self) -> None:
@@ -319,7 +323,7 @@ class FlatGroup:
         ``single_reduce``: the window reduces once, at its end, so a replicated
         store can accumulate locally and be reduced in place."""
         self.accumulated = [False] * len(self.layout.buckets)
-        self.used.zero_()
+        self.used = [False] * len(self.refs)
         cleared = [p.grad is None and not self.pending for p in self.params]
         if self.grad_store is None:
             size = self.layout.shard_numel if self.plan.shard_grads else self.layout.numel
@@ -356,6 +360,15 @@ class FlatGroup:
     def end_window(self) -> None:
         """After the reductions landed: drop the no-sync accumulator."""
         self.local_acc = None
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """Each parameter's gradient in the shape of its parameter, viewing ``grad_store``; made once
+        per store (the store lives as long as the group), so a step creates no views."""
+        store, views = self._grad_views
+        if store is not self.grad_store:
+            views = [self.store_view(i).view(param.shape) for i, param in enumerate(self.params)]
+            self._grad_views = (self.grad_store, views)
+        return views
 
     def store_view(self, i: int) -> torch.Tensor:
         piece = self.layout.pieces[i]

@@ -68,12 +68,14 @@ def _hand(group: FlatGroup) -> None:
     if cast:
         group.optimizer_grads = torch.empty(group.layout.shard_numel, dtype=plan.master_dtype,
                                             device=group.master_device)
+    if group.optimizer_grads is None:  # the optimizer steps on the grad store itself, through views made once
+        for param, grad, handed in zip(group.params, group.grad_views(), group.handed):
+            param.grad = grad if handed else None
+        return
     for i, param in enumerate(group.params):
         if not group.handed[i]:
             param.grad = None
             continue
-        grad = group.store_view(i)
-        if group.optimizer_grads is not None:
-            piece = group.layout.pieces[i]
-            grad = group.optimizer_grads[piece.shard_start:piece.shard_stop].copy_(grad)
+        piece = group.layout.pieces[i]
+        grad = group.optimizer_grads[piece.shard_start:piece.shard_stop].copy_(group.store_view(i))
         param.grad = grad.view(param.shape)

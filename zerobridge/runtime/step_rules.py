@@ -59,12 +59,11 @@ _NORM_CHUNK = 1 << 22
 def _float64_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     """``grad``'s ``norm_type``-norm accumulated in float64, cast a chunk at a time so that
     no float64 copy of a large gradient is ever held whole."""
-    flat = grad.reshape(-1)
     norm: torch.Tensor
-    if flat.numel() <= _NORM_CHUNK:
-        norm = torch.linalg.vector_norm(flat, norm_type, dtype=torch.float64)
+    if grad.numel() <= _NORM_CHUNK:  # over every element whatever the shape: no flattening view
+        norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float64)
         return norm
-    chunks = torch.split(flat, _NORM_CHUNK)
+    chunks = torch.split(grad.reshape(-1), _NORM_CHUNK)
     parts = torch.stack([torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in chunks])
     norm = torch.linalg.vector_norm(parts, norm_type)
     return norm
