@@ -289,6 +289,14 @@ def commands(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _in_process(argv: list[str], here: Path) -> tuple[int, str]:
     from zerobridge.cli import main
 
@@ -296,6 +304,8 @@ def _in_process(argv: list[str], here: Path) -> tuple[int, str]:
     before = Path.cwd()
     os.chdir(here)
     sys.path.insert(0, str(here))  # the page's own packages (mypkg) importable, as if installed
+    if argv[0] == "run":  # each launch on a free port: torchrun's default 29500 may be another job's
+        os.environ["PET_MASTER_PORT"] = str(_free_port())
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
@@ -305,6 +315,7 @@ def _in_process(argv: list[str], here: Path) -> tuple[int, str]:
     finally:
         os.chdir(before)
         sys.path.remove(str(here))
+        os.environ.pop("PET_MASTER_PORT", None)
     return code, out.getvalue()
 
 
