@@ -1,9 +1,10 @@
-"""zerobridge.harness.cluster: one spawned process group serving many runs."""
+"""zerobridge.harness.cluster: one process group of worker programs serving many runs."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,19 @@ def test_invalid_arguments() -> None:
         Cluster(0)
     with pytest.raises(ValueError, match="timeout_s"):
         Cluster(1, timeout_s=0)
+
+
+def test_a_plain_script_without_a_main_guard_starts_a_cluster(tmp_path: Path) -> None:
+    """The workers are programs of their own (``python -m zerobridge.harness.cluster``): the caller's
+    script is never imported again, so it needs no ``if __name__ == "__main__":`` guard."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text("from zerobridge.harness.cluster import Cluster\n"
+                      "print('top level ran')\n"
+                      "with Cluster(2) as cluster:\n"
+                      f"    print(cluster.run('{PROBES}:all_reduce_sum', value=1.5))\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["top level ran", "[3.0, 3.0]"]  # once: no worker re-ran the script
