@@ -156,6 +156,18 @@ def test_cli_prints_toml(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["parallelism"]["data_parallel_shard_degree"] == -1 and data["training"]["local_batch_size"] == 2
 
 
+def test_plan_writes_its_recommendation_as_torchtitan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``zerobridge plan --to torchtitan``: the recommendation as a TOML torchtitan reads (one own candidate, so
+    the plan measures one layout in this process)."""
+    out = tmp_path / "plan.toml"
+    code = main(["plan", "tiny-gpt", "--world-size", "2", "--device-memory", "8GiB", "--seq-len", "32",
+                 "--config", "zero3", "--only-own", "--to", "torchtitan", "-o", str(out)])
+    assert code == 0, capsys.readouterr().err
+    data = tomllib.loads(out.read_text(encoding="utf-8"))
+    check_schema(data, {})
+    assert data["parallelism"]["data_parallel_shard_degree"] in (-1, 2), data["parallelism"]
+
+
 def test_torchtitan_loads_it(tmp_path: Path) -> None:
     """torchtitan's own ConfigManager, where an installed torchtitan still reads TOML (JobConfig)."""
     job_config = pytest.importorskip("torchtitan.config.job_config", reason="no torchtitan with TOML configs")
