@@ -22,7 +22,8 @@
 
 Exit codes: 0 success; 1 ``--strict`` saw an approximation, ``diff`` found
 a difference, ``compare`` saw runs disagree, or ``plan`` found nothing that fits;
-2 bad input (the message names the file, key, line and fix);
+2 bad input (the message names the file, key, line and fix); 3 ``compare``
+had a run that failed (never started or crashed) while the others agree;
 ``run`` exits with the launcher's code.
 """
 

@@ -72,7 +72,7 @@ def write_plot(comparison: Comparison, target: Path) -> Path:
     if kinds:
         comm.legend(fontsize=7)
     fig.suptitle(f"{comparison.model}: {comparison.params:,} parameters, world {comparison.world_size}, "
-                 f"{comparison.steps} steps — {'agree' if comparison.ok else 'DISAGREE'}")
+                 f"{comparison.steps} steps — {comparison.status.upper()}")
     fig.tight_layout()
     try:
         atomic_write_file(target, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
