@@ -20,9 +20,9 @@ for several optimizer/scheduler pairs. A run is the shape DeepSpeed's tutorials 
 on ``Net`` (a two-layer MLP with dropout, built from a fixed seed, its own MSE loss) and per-rank data drawn from a
 seed of (rank, micro-step), so every flavor, backend and stage sees the same numbers. The dropout masks come from the
 global random state, seeded once by ``main`` *before* ``deepspeed.init_distributed()``, as DeepSpeed scripts do: an
-entry point that drew a random number (``init_distributed``, ``initialize``) would change every mask after it. A
-save and a resume reseed it (``reseed``: the start of a new epoch in a real script), so a resumed run draws the
-masks the uninterrupted one drew. ``--flavor real`` runs DeepSpeed;
+entry point that drew a random number (``init_distributed``, ``initialize``) would change the masks of the first
+optimizer step. Every later optimizer step reseeds it (``reseed``, from the micro-step number, as a script that
+reseeds each epoch), so a run resumed at any boundary draws the masks the uninterrupted one drew, whoever saved. ``--flavor real`` runs DeepSpeed;
 ``--flavor zerobridge`` runs ``zerobridge.deepspeed`` on the backend ``$ZEROBRIDGE_BACKEND`` names.
 
 Per micro-step it records the loss (each rank's, gathered), ``is_gradient_accumulation_boundary()`` before
@@ -126,9 +126,10 @@ def train(deepspeed: Any, config: Path, steps: int, *, save: Path | None = None,
                             "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                             "lr": _floats(engine.get_lr())}
         start = int(engine.global_steps) * accumulation
-        reseed(start)
     engine.train()
     for step in range(start, steps):
+        if step > 0 and step % accumulation == 0:  # a new optimizer step: its masks depend on nothing before it
+            reseed(step)
         x, y = micro_batch(rank, step, micro)
         lr = _floats(engine.get_lr())
         loss = engine(x, y)
@@ -144,7 +145,6 @@ def train(deepspeed: Any, config: Path, steps: int, *, save: Path | None = None,
             "global_samples": int(engine.global_samples), "micro_steps": int(engine.micro_steps)})
         if save is not None and step + 1 == save_at:
             engine.save_checkpoint(str(save), tag=tag, client_state=dict(CLIENT_STATE))
-            reseed(step + 1)
     return record
 
 
