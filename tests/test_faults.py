@@ -208,7 +208,8 @@ def test_latest_checkpoint_prefers_latest_then_the_newest_manifest(tmp_path: Pat
 
     for step in (4, 8, 12):
         write_portable(tmp_path / f"step-{step}", PortableState(model={"w": torch.full((2,), float(step))}))
-    os.utime(tmp_path / "step-4" / MANIFEST)  # touched last: the newest manifest
+    newest = (tmp_path / "step-12" / MANIFEST).stat().st_mtime_ns + 10**9
+    os.utime(tmp_path / "step-4" / MANIFEST, ns=(newest, newest))  # written last: the newest manifest
     assert latest_checkpoint(tmp_path) == tmp_path / "step-4"
     (tmp_path / "latest").write_text("step-8", encoding="utf-8")
     assert latest_checkpoint(tmp_path) == tmp_path / "step-8"
