@@ -15,8 +15,8 @@ from zerobridge.explain import explain
 from zerobridge.harness.cluster import Cluster
 from zerobridge.planning import plan
 from zerobridge.planning.fake_run import Run, run_once
+from zerobridge.planning.measure import SHALLOW, extend
 from zerobridge.planning.models import resolve_model
-from zerobridge.planning.planner import SHALLOW, _extend
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 
@@ -112,7 +112,7 @@ def test_a_deep_model_is_extended_from_two_depths(stage: int) -> None:
     spec = spec_for_stage(stage, source.build(2))
     low, high, whole = (run_once(source, spec, run, layers=d) for d in (*SHALLOW, source.layers))
     assert SHALLOW[1] < (source.layers or 0)
-    extended = _extend(low, high, SHALLOW, source.layers or 0)
+    extended = extend(low, high, SHALLOW, source.layers or 0)
     for kind, moved in whole.comm_bytes.items():
         assert extended.comm_bytes[kind] == pytest.approx(moved, rel=1e-6, abs=16)
     assert extended.tiers == pytest.approx(whole.tiers, rel=1e-6, abs=16)

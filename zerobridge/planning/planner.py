@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,21 +44,14 @@ from zerobridge.errors import ConfigError
 from zerobridge.explain import Explanation, explain
 from zerobridge.load import load_spec_for_world
 from zerobridge.planning.candidates import Candidate, candidates
-from zerobridge.planning.fake_run import Measured, Run, run_once
+from zerobridge.planning.fake_run import Measured, Run
+from zerobridge.planning.measure import FULL_DEPTH, SHALLOW, measure
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.sizes import parse_bytes
 from zerobridge.spec import OffloadDevice, StrategySpec
 from zerobridge.translate.run_level import with_run_settings
 
 __all__ = ["FULL_DEPTH", "SHALLOW", "Plan", "Row", "plan", "ranks_needed"]
-
-FULL_DEPTH = 12
-"""Models up to this many blocks are measured whole; deeper ones at ``SHALLOW`` depths."""
-SHALLOW = (5, 6)
-"""The two depths a deep model is measured at. Below about 5 blocks the peak of a checkpointed
-backward still grows faster than it does further on (a 70B Llama at stage 3: 1.17 GB per block
-from 3 to 5, 0.51 GB from 5 on), so the line is drawn from 5 and 6."""
-
 
 @dataclass(frozen=True)
 class Row:
@@ -122,39 +114,12 @@ class Plan:
         return min(fitting, key=lambda r: (r.comm_bytes, r.host_bytes, r.recomputes, r.device_peak))
 
 
-def _extend(low: Measured, high: Measured, depths: tuple[int, int], full: int) -> Measured:
-    a, b = depths
-
-    def line(x: dict[str, int], y: dict[str, int]) -> dict[str, int]:
-        return {k: max(0, round(y.get(k, 0) + (y.get(k, 0) - x.get(k, 0)) * (full - b) / (b - a)))
-                for k in {*x, *y}}
-
-    return Measured(peaks=line(low.peaks, high.peaks), tiers=line(low.tiers, high.tiers),
-                    model_states=line(low.model_states, high.model_states),
-                    comm_bytes=line(low.comm_bytes, high.comm_bytes), comm_calls=line(low.comm_calls, high.comm_calls))
-
-
-def _measure(source: ModelSource, spec: StrategySpec, run: Run, whole: bool = False) -> Measured:
-    with warnings.catch_warnings():
-        # a plan measures training: a model whose config keeps a KV cache is planned as trained, without it
-        warnings.filterwarnings("ignore", message="activation checkpointing: .* dropped")
-        if whole or source.layers is None or source.layers <= FULL_DEPTH:
-            return run_once(source, spec, run)
-        low, high = (run_once(source, spec, run, layers=d) for d in SHALLOW)
-    return _extend(low, high, SHALLOW, source.layers)
-
-
-def _measure_ref(ref: str, spec: StrategySpec, run: Run, whole: bool) -> Measured:
-    """``_measure`` in a worker process: the model named again there (a source does not pickle)."""
-    return _measure(resolve_model(ref), spec, run, whole)
-
-
 def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], run: Run,
                  workers: int, whole: bool) -> list[Measured]:
     """Every spec measured; in ``workers`` fresh processes when the model is named by a string
     (each process holds its own fake process group)."""
     if workers <= 1 or not isinstance(model, (str, Path)) or len(specs) < 2:
-        return [_measure(source, spec, run, whole) for spec in specs]
+        return [measure(source, spec, run, whole) for spec in specs]
     import pickle
     import subprocess
     import sys

@@ -14,16 +14,16 @@ import pickle
 import sys
 from pathlib import Path
 
+from zerobridge.planning.measure import measure_ref
+
 __all__ = ["main"]
 
 
 def main(task: Path, result: Path) -> int:
     """Measure the specs of ``task``; 0 when every one was measured, 1 when one raised (pickled too)."""
-    from zerobridge.planning.planner import _measure_ref
-
     ref, specs, run, whole = pickle.loads(task.read_bytes())
     try:
-        value: object = [_measure_ref(ref, spec, run, whole) for spec in specs]
+        value: object = [measure_ref(ref, spec, run, whole) for spec in specs]
         code = 0
     except Exception as exc:  # the caller raises it again, as if measured in its own process
         value, code = exc, 1
