@@ -22,8 +22,9 @@ seed of (rank, micro-step), so every flavor, backend and stage sees the same num
 global random state, seeded once by ``main`` *before* ``deepspeed.init_distributed()``, as DeepSpeed scripts do: an
 entry point that drew a random number (``init_distributed``, ``initialize``) would change the masks of the first
 optimizer step. Every later optimizer step reseeds it (``reseed``, from the micro-step number, as a script that
-reseeds each epoch), so a run resumed at any boundary draws the masks the uninterrupted one drew, whoever saved. ``--flavor real`` runs DeepSpeed;
-``--flavor zerobridge`` runs ``zerobridge.deepspeed`` on the backend ``$ZEROBRIDGE_BACKEND`` names.
+reseeds each epoch), so a run resumed at any boundary draws the masks the uninterrupted one drew, whoever saved.
+``--flavor real`` runs DeepSpeed; ``--flavor zerobridge`` runs ``zerobridge.deepspeed`` on the backend
+``$ZEROBRIDGE_BACKEND`` names.
 
 Per micro-step it records the loss (each rank's, gathered), ``is_gradient_accumulation_boundary()`` before
 ``step()``, ``get_lr()`` before and after ``step()``, ``get_global_grad_norm()`` after a boundary's ``step()``,
