@@ -28,8 +28,9 @@ torch AdamW runs as is (checked by hand: loss deviation 0, grad norm 7e-8); the 
 the JSON as written, so DeepSpeed's C++ CPU Adam (and, for an ``optimizer`` section without offload, its CPU
 FusedAdam) is JIT-built once into ``$TORCH_EXTENSIONS_DIR`` (about 2 minutes the first time, then cached).
 
-Cost: one launch per distinct (written JSON, flags) and one DDP launch per distinct (flags, schedule),
-about 11-15 s each on 2 CPU cores; ``Runs`` caches both for the module.
+Cost: one launch of ``trainer_run --jobs`` for the module (``Runs``): every distinct (written JSON, flags)
+and every distinct DDP (flags, schedule) runs once, one after another in the same process group, so the
+imports and the rendezvous (about 10 s of each launch on 2 CPU cores) are paid once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,15 +162,17 @@ def needs_cpp_adam(ds: dict[str, Any]) -> bool:
     return ("optimizer" in ds and not params.get("torch_adam")) or offload != "none"
 
 
-def build_cpp_adam() -> None:
-    """JIT-build (or load from ``$TORCH_EXTENSIONS_DIR``) DeepSpeed's CPU Adam ops once, before the ranks need them."""
+def cpp_adam_missing() -> str:
+    """JIT-build (or load from ``$TORCH_EXTENSIONS_DIR``) DeepSpeed's CPU Adam ops once, before the ranks need
+    them; the reason when DeepSpeed cannot build them here, else ``""``."""
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 
         CPUAdamBuilder().load()
         FusedAdamBuilder().load()
     except Exception as exc:  # no compiler, no headers: DeepSpeed cannot build its optimizer here
-        pytest.skip(f"DeepSpeed cannot build its CPU Adam here: {str(exc).splitlines()[0]}")
+        return f"DeepSpeed cannot build its CPU Adam here: {str(exc).splitlines()[0]}"
+    return ""
 
 
 def _free_port() -> int:
@@ -177,57 +181,127 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Case:
+    """One source's pair of runs: the DeepSpeed JSON written for it, its flags, and its DDP reference."""
+
+    ds: dict[str, Any]
+    flags: tuple[str, ...]
+    skip: str | None = None
+    failure: str | None = None
+    """Why converting the source failed (the test fails with it)."""
+
+    @property
+    def deepspeed_key(self) -> Any:
+        return ("deepspeed", flag_key(self.flags), json.dumps(self.ds, sort_keys=True))
+
+    @property
+    def ddp_key(self) -> Any:
+        return ("ddp", flag_key(self.flags), json.dumps(self.ds.get("scheduler"), sort_keys=True))
+
+
+def case_of(source: Source, root: Path) -> Case:
+    """``source`` converted as the test's docstring says: the JSON and the flags a Trainer user is told to use."""
+    path = source.path(root)
+    spec = with_run_settings(load_spec(path).value, precision="fp32").value
+    ds = write(spec, "deepspeed").value
+    assert below_fp32(ds) == [], f"written for --precision fp32, yet {below_fp32(ds)}"
+    if source.kind == "deepspeed":  # carried verbatim: the DDP reference takes its schedule from the output
+        original = parse_json(read_text(Path(path)), source.name).data
+        assert {k: ds.get(k) for k in ("optimizer", "scheduler")} == {
+            k: original.get(k) for k in ("optimizer", "scheduler")}
+    return Case(ds, trainer_flags(spec))
+
+
 class Runs:
-    """Launches of ``zerobridge.testing.trainer_run`` at world 2, each (config, flags) once per module."""
+    """Every source's DeepSpeed run and DDP reference, in one launch of ``trainer_run --jobs`` at world 2.
+
+    Runs shared between sources (same flags, same JSON, or the same DDP reference) are launched once."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.cache: dict[Any, dict[str, Any]] = {}
+        self.cases: dict[str, Case] = {}
+        self.results: dict[Any, dict[str, Any]] = {}
         self.env = os.environ | {
             "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
 
-    def ddp(self, flags: tuple[str, ...], scheduler: dict[str, Any] | None) -> dict[str, Any]:
-        """Plain DDP steps; with ``scheduler``, DeepSpeed's scheduler of that section steps the lr."""
-        key = ("ddp", flag_key(flags), json.dumps(scheduler, sort_keys=True))
-        if key not in self.cache:
-            extra: tuple[str, ...] = ()
-            if scheduler is not None:
-                path = self.root / f"schedule{len(self.cache)}.json"
-                path.write_text(json.dumps({"scheduler": scheduler}), encoding="utf-8")
-                extra = ("--deepspeed-schedule", str(path))
-            self.cache[key] = self._launch((*flags, *extra))
-        return self.cache[key]
+    def prepare(self, sources: list[Source]) -> None:
+        """Convert every source that can run here, then launch all their runs once."""
+        cpp_adam: str | None = None
+        jobs: dict[Any, list[str]] = {}
+        for source in sources:
+            folder = self.root / source.id
+            folder.mkdir()
+            try:
+                case = case_of(source, folder)
+            except pytest.skip.Exception as skipped:
+                self.cases[source.id] = Case({}, (), skip=str(skipped))
+                continue
+            except Exception:  # this source's test fails with it; the others still run
+                self.cases[source.id] = Case({}, (), failure=traceback.format_exc())
+                continue
+            if needs_cpp_adam(case.ds):
+                cpp_adam = cpp_adam if cpp_adam is not None else cpp_adam_missing()
+                if cpp_adam:
+                    self.cases[source.id] = Case(case.ds, case.flags, skip=cpp_adam)
+                    continue
+            self.cases[source.id] = case
+            for key, extra in ((case.deepspeed_key, self._deepspeed_flags(case)),
+                               (case.ddp_key, self._ddp_flags(case))):
+                if key not in jobs:
+                    out = self.root / f"run{len(jobs)}" / "steps.json"
+                    jobs[key] = ["--output_dir", str(out.parent), *case.flags, *extra, "--steps-out", str(out)]
+        if jobs:
+            self._launch(jobs)
 
-    def deepspeed(self, config: dict[str, Any], flags: tuple[str, ...]) -> dict[str, Any]:
-        """Steps under ``--deepspeed config``."""
-        text = json.dumps(config, sort_keys=True, indent=1)
-        key = ("deepspeed", flag_key(flags), text)
-        if key not in self.cache:
-            path = self.root / f"ds{len(self.cache)}.json"
-            path.write_text(text, encoding="utf-8")
-            self.cache[key] = self._launch((*flags, "--deepspeed", str(path)))
-        return self.cache[key]
+    def _deepspeed_flags(self, case: Case) -> tuple[str, ...]:
+        path = self.root / f"ds{abs(hash(case.deepspeed_key))}.json"
+        path.write_text(json.dumps(case.ds, sort_keys=True, indent=1), encoding="utf-8")
+        return ("--deepspeed", str(path))
 
-    def _launch(self, flags: tuple[str, ...]) -> dict[str, Any]:
-        """``{"engine": ..., "steps": [...]}`` as rank 0 of ``trainer_run`` wrote it."""
-        run = self.root / f"run{len(self.cache)}"
-        out = run / "steps.json"
+    def _ddp_flags(self, case: Case) -> tuple[str, ...]:
+        scheduler = case.ds.get("scheduler")
+        if scheduler is None:
+            return ()
+        path = self.root / f"schedule{abs(hash(case.ddp_key))}.json"
+        path.write_text(json.dumps({"scheduler": scheduler}), encoding="utf-8")
+        return ("--deepspeed-schedule", str(path))
+
+    def _launch(self, jobs: dict[Any, list[str]]) -> None:
+        """One torchrun of ``trainer_run --jobs``; each job's record (or its error) lands in ``results``."""
+        listing = self.root / "jobs.json"
+        listing.write_text(json.dumps(list(jobs.values()), indent=1), encoding="utf-8")
         for attempt in (1, 2):  # the port picked here may be taken before torchrun binds it
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                   "-m", "zerobridge.testing.trainer_run", "--output_dir", str(run), *flags, "--steps-out", str(out)]
+                   "-m", "zerobridge.testing.trainer_run", "--jobs", str(listing)]
             proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True,
                                   timeout=LAUNCH_TIMEOUT_S)
             if proc.returncode == 0 or attempt == 2 or "address already in use" not in proc.stderr.lower():
                 break
-        (run / "stdout.log").write_text(proc.stdout, encoding="utf-8")
-        (run / "stderr.log").write_text(proc.stderr, encoding="utf-8")
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed (logs in {run}):\n{_errors(proc.stderr)}"
-        record: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
-        return record
+        (self.root / "stdout.log").write_text(proc.stdout, encoding="utf-8")
+        (self.root / "stderr.log").write_text(proc.stderr, encoding="utf-8")
+        for key, argv in jobs.items():
+            out = Path(argv[argv.index("--steps-out") + 1])
+            if out.exists():
+                self.results[key] = json.loads(out.read_text(encoding="utf-8"))
+            else:
+                self.results[key] = {"error": f"{' '.join(cmd)} exited {proc.returncode} before this job wrote "
+                                              f"{out} (logs in {self.root}):\n{_errors(proc.stderr)}"}
+
+    def pair(self, source: Source) -> tuple[Case, dict[str, Any], dict[str, Any]]:
+        """``source``'s case, DeepSpeed record and DDP record; skips where it could not run here."""
+        case = self.cases[source.id]
+        if case.skip:
+            pytest.skip(case.skip)
+        assert case.failure is None, case.failure
+        records = self.results[case.deepspeed_key], self.results[case.ddp_key]
+        for record in records:
+            assert "error" not in record, record["error"]
+        return case, *records
 
 
 def _errors(log: str) -> str:
@@ -239,7 +313,9 @@ def _errors(log: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("trainer_runs"))
+    runs = Runs(tmp_path_factory.mktemp("trainer_runs"))
+    runs.prepare([param.values[0] for param in SOURCES])
+    return runs
 
 
 def _deviation(a: float, b: float) -> float:
@@ -265,22 +341,9 @@ def compare(ddp: list[dict[str, Any]], ds: list[dict[str, Any]], stage: int) -> 
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_deepspeed_run_matches_ddp(source: Source, runs: Runs, tmp_path: Path,
-                                   record_property: Any) -> None:
-    path = source.path(tmp_path)
-    spec = with_run_settings(load_spec(path).value, precision="fp32").value
-    ds = write(spec, "deepspeed").value
-    assert below_fp32(ds) == [], f"written for --precision fp32, yet {below_fp32(ds)}"
-    if source.kind == "deepspeed":  # carried verbatim: the DDP reference takes its schedule from the output
-        original = parse_json(read_text(Path(path)), source.name).data
-        assert {k: ds.get(k) for k in ("optimizer", "scheduler")} == {
-            k: original.get(k) for k in ("optimizer", "scheduler")}
-    flags = trainer_flags(spec)
-    if needs_cpp_adam(ds):
-        build_cpp_adam()
-    stage = ds["zero_optimization"]["stage"]
-    deepspeed_run = runs.deepspeed(ds, flags)
-    reference = runs.ddp(flags, ds.get("scheduler"))
+def test_deepspeed_run_matches_ddp(source: Source, runs: Runs, record_property: Any) -> None:
+    case, deepspeed_run, reference = runs.pair(source)
+    stage = case.ds["zero_optimization"]["stage"]
     # What trained: guards against a comparison of DDP with itself.
     assert deepspeed_run["engine"] | {"optimizer": None} == {"deepspeed": True, "zero_stage": stage,
                                                              "optimizer": None, "world_size": WORLD}

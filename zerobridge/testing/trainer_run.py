@@ -4,6 +4,9 @@
         --output_dir /tmp/out --max_steps 4 --per_device_train_batch_size 2 \\
         --gradient_accumulation_steps 2 --deepspeed written.json --steps-out /tmp/steps.json
 
+Several runs share one launch with ``--jobs jobs.json`` (a JSON list of argv
+lists, each as the command line above would take it; ``run_jobs``).
+
 ``main`` parses ``TrainingArguments`` (every Trainer flag, ``--deepspeed``
 included) plus ``--steps-out PATH``, where rank 0 writes the logged ``loss``
 and ``grad_norm`` of every optimizer step, the lr it ran at, and what trained
@@ -30,6 +33,7 @@ and stage 0's plain torch optimizer does not (then ``grad_norm`` is null).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +44,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 __all__ = ["DEFAULTS", "MODEL_SEED", "RunArgs", "TokenBatches", "deepspeed_scheduler", "engine_of", "main",
-           "tiny_llama"]
+           "run_jobs", "tiny_llama", "train"]
 
 MODEL_SEED = 0
 """Seed of the model's initial weights, independent of ``--seed``."""
@@ -163,12 +167,76 @@ def _trainer_class(schedule: str | None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Train with ``DEFAULTS + argv``; returns (and, on rank 0 with ``--steps-out``, writes) the step logs."""
+    """Train with ``DEFAULTS + argv``; returns (and, on rank 0 with ``--steps-out``, writes) the step logs.
+    ``--jobs FILE`` instead runs every job that file lists, one after another (``run_jobs``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--jobs"] and len(argv) == 2:
+        run_jobs(Path(argv[1]))
+        return []
+    steps = train(argv)
+    _leave()
+    return steps
+
+
+def run_jobs(path: Path) -> None:
+    """Every job of ``path`` (a JSON list of argv lists) in this one process group, in order.
+
+    One launch then pays the interpreter, torch, transformers and DeepSpeed imports and the group's
+    rendezvous once for all its runs. Between jobs the process-wide state a Trainer leaves behind is
+    cleared (Accelerate's shared state, transformers' ZeRO-3 config reference), so each job starts as a
+    fresh launch would: the environment as the launch set it (Accelerate leaves ``ACCELERATE_USE_DEEPSPEED``
+    set after a DeepSpeed run), its model rebuilt from ``MODEL_SEED``, ``--seed`` applied again. A job
+    that raises writes ``{"error": traceback}`` to its ``--steps-out`` and the next job runs."""
+    import traceback
+
+    jobs: list[list[str]] = json.loads(path.read_text(encoding="utf-8"))
+    launched = dict(os.environ)
+    for argv in jobs:
+        try:
+            train(argv)
+        except Exception:
+            out = _steps_out(argv)
+            if out is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+                Path(out).write_text(json.dumps({"error": traceback.format_exc()}), encoding="utf-8")
+        os.environ.clear()
+        os.environ.update(launched)
+        _reset_between_jobs()
+    _leave()
+
+
+def _steps_out(argv: list[str]) -> str | None:
+    for flag in ("--steps-out", "--steps_out"):
+        if flag in argv and argv.index(flag) + 1 < len(argv):
+            return argv[argv.index(flag) + 1]
+    return None
+
+
+def _reset_between_jobs() -> None:
+    """Forget what the last Trainer set process-wide, keeping the process group."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _leave() -> None:
+    if dist.is_available() and dist.is_initialized():
+        # Leave together: a rank that exits while its peer still tears down gloo can abort the peer.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train(argv: list[str]) -> list[dict[str, Any]]:
+    """One Trainer run of ``DEFAULTS + argv``; rank 0 writes the step logs to ``--steps-out`` when given."""
     from transformers import HfArgumentParser, TrainingArguments
 
     model = tiny_llama()  # before TrainingArguments: see the module docstring
     parser = HfArgumentParser(cast(Any, (TrainingArguments, RunArgs)))
-    args, run = parser.parse_args_into_dataclasses(args=[*DEFAULTS, *(sys.argv[1:] if argv is None else argv)])
+    args, run = parser.parse_args_into_dataclasses(args=[*DEFAULTS, *argv])
     if run.deepspeed_schedule and args.deepspeed:
         parser.error("--deepspeed-schedule is for a run without --deepspeed (DeepSpeed builds its own scheduler)")
     samples = max(args.max_steps, 1) * args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -180,10 +248,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if run.steps_out and trainer.is_world_process_zero():
         record = {"engine": engine_of(trainer), "steps": steps}
         Path(run.steps_out).write_text(json.dumps(record, indent=1), encoding="utf-8")
-    if dist.is_available() and dist.is_initialized():
-        # Leave together: a rank that exits while its peer still tears down gloo can abort the peer.
-        dist.barrier()
-        dist.destroy_process_group()
     return steps
 
 
