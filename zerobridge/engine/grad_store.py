@@ -21,6 +21,11 @@ device the copy is *deferred*: it is cast from the store only when the step
 gradients are never held twice (DeepSpeed: 16-bit gradients, fp32 only while
 the optimizer steps). Deferred gradients no step consumed stay in the store and
 add up with the next window's, as ``p.grad`` would in torch.
+
+A ``clip_grad_norm_`` call asks for every gradient at once (``materialize_grads``).
+The step alone does not: it casts a tile of parameters at a time (``cast_grads``),
+steps the tile and drops its copies, so the fp32 gradients held at once are one
+tile's (``step.py``), never all of them beside the store.
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ import torch
 
 from zerobridge.engine.flat_group import FlatGroup
 
-__all__ = ["attach_grads", "drop_grads", "materialize_grads"]
+__all__ = ["Scale", "attach_grads", "cast_grads", "drop_grads", "materialize_grads", "scale_grads"]
+
+Scale = float | torch.Tensor
+"""A factor every optimizer gradient is multiplied by once cast: ``1 / loss scale`` (a float), or a
+clipping coefficient (a float64 tensor, cast to the gradient's dtype first, as torch clips)."""
 
 
 def attach_grads(group: FlatGroup, used: Sequence[float]) -> None:
@@ -51,6 +60,31 @@ def materialize_grads(group: FlatGroup) -> None:
     if group.pending:
         group.pending = False
         _hand(group)
+
+
+def scale_grads(grads: list[torch.Tensor], scales: Sequence[Scale]) -> None:
+    """Multiply ``grads`` in place by each of ``scales`` in turn."""
+    for factor in scales:
+        if grads:
+            torch._foreach_mul_(grads, factor if isinstance(factor, float)
+                                else factor.to(grads[0].device, grads[0].dtype))
+
+
+def cast_grads(group: FlatGroup, indices: Sequence[int], scales: Sequence[Scale]) -> list[torch.Tensor]:
+    """At the step, for deferred gradients: give the parameters ``indices`` of ``group`` (those
+    handed a gradient) their gradient in the master dtype, each its own tensor, times ``scales``;
+    the caller sets ``param.grad = None`` once they are stepped."""
+    grads: list[torch.Tensor] = []
+    for i in indices:
+        param = group.params[i]
+        if not group.handed[i]:
+            continue
+        piece = group.layout.pieces[i]
+        grad = torch.empty(piece.numel, dtype=group.plan.master_dtype, device=group.master_device)
+        param.grad = grad.copy_(group.store_view(i)).view(param.shape)
+        grads.append(param.grad)
+    scale_grads(grads, scales)
+    return grads
 
 
 def drop_grads(group: FlatGroup) -> None:

@@ -26,17 +26,31 @@ import torch.distributed as dist
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.flat_group import FlatGroup
-from zerobridge.engine.grad_store import drop_grads, materialize_grads
+from zerobridge.engine.grad_store import Scale, cast_grads, drop_grads, materialize_grads, scale_grads
 from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
-from zerobridge.engine.nvme_step import StateSwapper
+from zerobridge.engine.nvme_step import StateSwapper, tiles
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.loss_scale import LossScaler
-from zerobridge.runtime.step_rules import Hidden, apply_clip, hide_grads, norm_part, raw_step
+from zerobridge.runtime.step_rules import (
+    Hidden,
+    apply_clip,
+    clip_coef,
+    combine_norms,
+    grad_norms,
+    hide_grads,
+    norm_part,
+    raw_step,
+)
 from zerobridge.runtime.window import no_gradients
 
-__all__ = ["NativeStepper"]
+__all__ = ["STEP_TILES", "NativeStepper"]
+
+STEP_TILES = 64
+"""Deferred gradients (``grad_store.py``) are cast and stepped in about this many tiles of the
+engine's shard, so their fp32 copies add about 1/64 of a gradient shard to the step's peak
+(a parameter larger than a tile is a tile alone)."""
 
 @dataclass
 class Stash:
@@ -75,6 +89,10 @@ class NativeStepper:
         self.skipped_steps = 0
         self.depth: dict[int, int] = {}
         """Nesting of each optimizer's step (by id) now."""
+        self.scales: list[Scale] = []
+        """Factors (unscale, clipping) owed by deferred gradients not cast yet, in the order applied."""
+        self.tile_cap = max(1, sum(g.layout.shard_numel for g in trainable) // STEP_TILES)
+        """Elements of deferred gradients cast at once by the step."""
 
     @property
     def checks_nonfinite(self) -> bool:
@@ -110,24 +128,77 @@ class NativeStepper:
             self.skipped_steps += int(self.skip)
         if self.skip:
             return True
-        for group in self.trainable:  # deferred gradients exist from here to the end of the step
-            materialize_grads(group)
-        grads = self._grads()
-        if self.scaler.enabled and grads:
-            torch._foreach_mul_(grads, 1.0 / scale)
+        grads = self._grads()  # deferred ones are cast later, a tile at a time, and owe the factors
+        self.scales = [1.0 / scale] if self.scaler.enabled else []
+        scale_grads(grads, self.scales)
         return True
+
+    def _cast_all(self) -> None:
+        """Every deferred gradient cast now (``clip_grad_norm_`` asks for them), owed factors applied."""
+        cast = []
+        for group in self.trainable:
+            if group.pending:
+                materialize_grads(group)
+                cast += [p.grad for p in group.params if p.grad is not None]
+        scale_grads(cast, self.scales)
+        self.scales = []
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm (every rank, every shard) is at most
         ``max_norm``; return the norm before clipping. torch's formula."""
         if not self.finalize():
             raise no_gradients()
+        self._cast_all()
         grads = self._grads()
         local = norm_part(grads, norm_type, self._device())
         # Shards of one copy are summed; replicas hold the same shard and are not.
         collectives.all_reduce(local, self.mesh.reduce, self.stats,
                                op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
         return apply_clip(grads, local, max_norm, norm_type)
+
+    def _tiles(self, group: FlatGroup, ids: set[int] | None = None) -> list[list[int]]:
+        """``group``'s parameters (those in ``ids`` when given) in tiles of about ``tile_cap`` elements."""
+        chosen = [i for i, p in enumerate(group.params) if ids is None or id(p) in ids]
+        numels = [group.layout.pieces[i].numel for i in chosen]
+        return [[chosen[k] for k in tile] for tile in tiles(numels, cap=self.tile_cap)]
+
+    def _clip_by_tiles(self, max_norm: float) -> None:
+        """The spec's clipping with deferred gradients: their norms a tile at a time (cast, measured,
+        dropped), the others' as they are; the coefficient is owed by the deferred ones."""
+        norms: list[torch.Tensor] = []
+        for group in self.trainable:
+            if not group.pending:
+                norms += grad_norms([p.grad for p in group.params if p.grad is not None], 2.0)
+                continue
+            for tile in self._tiles(group):
+                norms += grad_norms(cast_grads(group, tile, self.scales), 2.0)
+                for i in tile:
+                    group.params[i].grad = None
+        local = combine_norms(norms, 2.0, self._device())
+        collectives.all_reduce(local, self.mesh.reduce, self.stats, op=dist.ReduceOp.SUM)
+        _, coef = clip_coef(local, max_norm, 2.0)
+        scale_grads(self._grads(), [coef])
+        self.scales.append(coef)
+
+    def _step_by_tiles(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step the deferred gradients of ``optimizer``'s parameters a tile at a time: cast the
+        tile, run the optimizer on it alone (every other gradient hidden), drop the casts."""
+        ids = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
+        others = [(p, p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
+        for param, _ in others:
+            param.grad = None
+        try:
+            for group in self.trainable:
+                if not group.pending or id(group) not in self.awaiting:
+                    continue
+                for tile in self._tiles(group, ids):
+                    if cast_grads(group, tile, self.scales):
+                        raw_step(optimizer)
+                    for i in tile:
+                        group.params[i].grad = None
+        finally:
+            for param, grad in others:
+                param.grad = grad
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> Stash:
         """Optimizer pre-step hook: skip (hide gradients), let the step run, or run it
@@ -139,10 +210,17 @@ class NativeStepper:
             return Stash(stepping=False, nested=True)
         if not self.finalize() or self.skip:
             return Stash(stepping=False, hidden=hide_grads(optimizer, self.param_ids))
+        deferred = self.swapper is None and any(g.pending for g in self.trainable)
         if self.plan.clip_grad_norm is not None:  # the spec's clipping, at step time as DeepSpeed does
-            self.clip_grad_norm(self.plan.clip_grad_norm)
+            if deferred:
+                self._clip_by_tiles(self.plan.clip_grad_norm)
+            else:
+                self.clip_grad_norm(self.plan.clip_grad_norm)
+        if deferred:
+            self._step_by_tiles(optimizer)
         if self.swapper is None:
             return Stash(stepping=True)
+        self._cast_all()
         hidden = hide_grads(optimizer, self.param_ids)
         self.swapper.step(optimizer, {id(p): g for p, g in hidden}, raw_step)
         return Stash(stepping=True, hidden=hidden, swapped=True)

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["Hidden", "StepHooks", "apply_clip", "hide_grads", "install_optimizer_hooks", "nonfinite_flag", "norm_part",
-           "raw_step"]
+__all__ = ["Hidden", "StepHooks", "apply_clip", "clip_coef", "combine_norms", "grad_norms", "hide_grads",
+           "install_optimizer_hooks", "nonfinite_flag", "norm_part", "raw_step"]
 
 Hidden = list[tuple[nn.Parameter, torch.Tensor | None]]
 
@@ -69,6 +69,22 @@ def _float64_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     return norm
 
 
+def grad_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each gradient's ``norm_type``-norm, float64: ``norm_part``'s terms, for callers that see
+    the gradients a few at a time (``combine_norms`` sums them as ``norm_part`` does)."""
+    return [_float64_norm(g, norm_type) for g in grads]
+
+
+def combine_norms(norms: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``norm_part`` from the ``grad_norms`` of every gradient, in the same order."""
+    if norms:
+        stacked = torch.stack(norms)
+        local = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum()
+    else:
+        local = torch.zeros((), dtype=torch.float64, device=device)
+    return local.reshape(1).to(device, torch.float64)
+
+
 def norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's part of the global gradient norm, ``[1]`` float64 on ``device``: the sum of
     the ``norm_type``-th powers of its gradients' norms (their largest for the inf-norm).
@@ -77,20 +93,20 @@ def norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device)
     float32 the rounding of sums over tens of millions of elements depends on how the
     elements are split into shards, so sharding alone would move the norm (by 1e-5 at
     20M parameters) and, through clipping, the losses."""
-    if grads:
-        norms = torch.stack([_float64_norm(g, norm_type) for g in grads])
-        local = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
-    else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
-    return local.reshape(1).to(device, torch.float64)
+    return combine_norms(grad_norms(grads, norm_type), norm_type, device)
+
+
+def clip_coef(reduced: torch.Tensor, max_norm: float, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global norm from the all-reduced ``norm_part`` (SUM, or MAX for the inf-norm) and the
+    float64 factor that brings it to at most ``max_norm`` (torch's formula)."""
+    total = reduced[0] if norm_type == float("inf") else reduced[0].pow(1.0 / norm_type)
+    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def apply_clip(grads: list[torch.Tensor], reduced: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
-    """The global norm from the all-reduced ``norm_part`` (SUM, or MAX for the inf-norm); scale
-    ``grads`` so that it is at most ``max_norm`` (torch's formula, in float64); return the
-    norm before, as float32 (what torch returns for float32 gradients)."""
-    total = reduced[0] if norm_type == float("inf") else reduced[0].pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    """Scale ``grads`` by ``clip_coef`` (cast to their dtype, as torch does); return the norm
+    before, as float32 (what torch returns for float32 gradients)."""
+    total, coef = clip_coef(reduced, max_norm, norm_type)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
     return total.to(torch.float32)
