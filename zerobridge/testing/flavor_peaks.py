@@ -97,16 +97,18 @@ def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_bat
 
 
 def fsdp_peaks(*, model: str, specs: dict[str, dict[str, Any]], micro_batch: int, seq_len: int,
-               clip: float | None = 1.0) -> dict[str, dict[str, int]]:
+               clip: float | None = 1.0, approximate: bool = False) -> dict[str, dict[str, int]]:
     """On every rank: each spec of ``specs`` run by the FSDP2 backend (``zerobridge.prepare``) with the
-    same optimizer, data and clipping; per spec, this rank's peaks by phase and ``train``."""
+    same optimizer, data and clipping; per spec, this rank's peaks by phase and ``train``.
+    ``approximate``: a spec FSDP2 cannot run exactly (ZeRO-2) runs as its closest FSDP2 form, as
+    ``zerobridge plan --flavor fsdp2`` measures it."""
     source = resolve_model(model)
     out: dict[str, dict[str, int]] = {}
     for name, spec in specs.items():
         with StorageTracker() as tracker:
             built = _build(source, recompute=False)  # the backend recomputes what the spec says
             prepared, optimizer = zerobridge.prepare(built, _optimizer(built), config=StrategySpec.model_validate(spec),
-                                                     backend="fsdp")
+                                                     backend="fsdp", allow_approximate=approximate)
             for step in range(2):
                 tokens = _tokens(source, micro_batch, seq_len, step)
                 tracker.phase = "forward"

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
 from torch.distributed.fsdp import (
@@ -70,12 +71,15 @@ def device_mesh_from_form(form: dict[str, Any] | None, *, world_size: int | None
                          device_type: str | None = None) -> DeviceMesh | None:
     """The ``DeviceMesh`` a written form names (``{"shape", "mesh_dim_names"}``); no form: ``[world]``
     over ``dp_shard``. ``None`` when no process group is initialised. Built here, so that a hybrid
-    run really replicates (dim 0 replicates, the last dim shards)."""
+    run really replicates (dim 0 replicates, the last dim shards). The mesh's rank table is host
+    bookkeeping read back as numbers, so it is built on real tensors even under a ``FakeTensorMode``
+    (``zerobridge plan`` runs this backend on fake tensors: ``planning/fsdp_fake_run.py``)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     shape = tuple(form["shape"]) if form is not None else (world_size or dist.get_world_size(),)
     names = tuple(form["mesh_dim_names"]) if form is not None else ("dp_shard",)
-    return init_device_mesh(device_type or _device_type(), shape, mesh_dim_names=names)
+    with unset_fake_temporarily():
+        return init_device_mesh(device_type or _device_type(), shape, mesh_dim_names=names)
 
 
 def layer_classes(names: list[str] | str, module: nn.Module | None) -> set[type[nn.Module]]:
