@@ -1,0 +1,91 @@
+"""One candidate on the FSDP2 backend, run for real on fake tensors: ``fully_shard`` trains two steps as one rank.
+
+    >>> from zerobridge.planning.fake_run import Run
+    >>> from zerobridge.planning.fsdp_fake_run import run_fsdp
+    >>> from zerobridge.planning.models import resolve_model
+    >>> from zerobridge.spec.presets import spec_for_stage
+    >>> source = resolve_model("tiny-gpt")
+    >>> run = Run(world_size=4, nodes=1, micro_batch=2, seq_len=16)
+    >>> measured, approximations = run_fsdp(source, spec_for_stage(3, source.build()), run)
+    >>> measured.peaks["backward"] > measured.model_states["params"] > 0, approximations
+    (True, ())
+    >>> run_fsdp(source, spec_for_stage(2, source.build()), run)[1][0].split(":")[0]
+    'sharding'
+
+The same fake world as the native engine's planning run (``fake_run``: rank 0
+of a fake process group, ``FakeTensorMode``, a ``StorageTracker``), but the
+model is prepared by zerobridge's FSDP2 backend (``backends/fsdp``: torch's
+``fully_shard`` on each wrap unit, its ``MixedPrecisionPolicy`` and
+``CPUOffloadPolicy``, the backend's accumulation and clipping rules), so the
+figures are FSDP2's own: its padded shards, its all-gather and
+reduce-scatter buffers, and no gradient shard kept between steps. torch's
+``FSDPMemTracker`` measures FSDP2 the same way. The device mesh is built on
+real tensors (``backends/fsdp/kwargs.py``): its rank table is read back as
+numbers.
+
+A layout FSDP2 cannot run exactly (ZeRO-1, ZeRO-2's replicated parameters,
+one offloaded tier alone) runs as the backend's closest form
+(``allow_approximate=True``); the second value lists what was approximated,
+as the backend reports it, so the plan marks the row instead of planning it
+on another engine.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zerobridge.backends.base import backend_of
+from zerobridge.backends.fsdp.prepare import prepare
+from zerobridge.planning.fake_run import Measured, Run, fake_world
+from zerobridge.planning.models import ModelSource
+from zerobridge.planning.tracker import StorageTracker
+from zerobridge.runtime.deferred_init import ShapeReplay
+from zerobridge.spec import StrategySpec
+
+__all__ = ["optimizer_for", "run_fsdp"]
+
+
+def optimizer_for(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
+    """The plan's optimizer (as ``fake_run`` steps it): AdamW one tensor at a time, or SGD with momentum."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def run_fsdp(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None
+             ) -> tuple[Measured, tuple[str, ...]]:
+    """Two training steps of ``spec`` on the FSDP2 backend as rank 0 of ``run``'s world, on fake
+    tensors; and what FSDP2 ran differently from ``spec`` (``key: note``, empty when exact).
+    ``ConfigError`` when FSDP2 cannot run the layout even approximately (NVMe)."""
+    model = source.build(layers)
+    with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
+            StorageTracker() as tracker:
+        optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
+        prepared = prepare(model, optimizer, spec, allow_approximate=True, replay=ShapeReplay(model),
+                           device=torch.device("cpu"))
+        assert isinstance(prepared, tuple)
+        module, optimizer = prepared
+        backend = backend_of(module)
+        vocab = max(source.vocab_size, 2)
+        generator = torch.Generator().manual_seed(0)
+        for step in range(2):
+            if step == 1:
+                backend.reset_stats()
+            for _ in range(run.accumulation):
+                tokens = torch.randint(0, vocab, (run.micro_batch, run.seq_len), generator=generator)
+                tracker.phase = "forward"
+                loss = source.loss(module, tokens) / run.accumulation
+                tracker.phase = "backward"
+                loss.backward()
+                del loss, tokens
+            tracker.phase = "step"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        held = backend.stats()
+    measured = Measured(peaks=dict(tracker.peaks), tiers=dict(held["tier_bytes"]),
+                        model_states={"params": held["param_bytes"], "grads": held["grad_bytes"],
+                                      "optimizer": held["optimizer_bytes"]},
+                        comm_bytes={k: int(v) for k, v in held["comm_bytes"].items() if v},
+                        comm_calls={k: int(v) for k, v in held["comm_calls"].items() if v})
+    return measured, tuple(f"{a['key']}: {a['note']}" for a in held["approximations"])
