@@ -1,0 +1,224 @@
+"""DeepSpeed's memory, modelled: the native engine's fake run of the same layout, plus the buffers DeepSpeed adds.
+
+    >>> from zerobridge.planning.deepspeed_memory import buffers_for
+    >>> config = {"bf16": {"enabled": False},
+    ...           "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 1000}}
+    >>> b = buffers_for(config, params=10_000, world_size=2)
+    >>> b.master_copy, b.grad_partition, b.reduce_buckets, b.fp32_grad_copy
+    (20000, 20000, 8000, 0)
+
+Real DeepSpeed does not run on fake tensors: ``deepspeed.initialize`` moves the
+module to its accelerator (``module.to(device)``), which cannot swap a fake
+parameter (``_apply(): Couldn't swap Embedding.weight``, DeepSpeed 0.19.8,
+torch 2.13), and it flattens and partitions parameters on real storage
+besides. So a DeepSpeed candidate is measured in two parts (``run_deepspeed``):
+
+1. the native engine trains two steps of the same layout on fake tensors
+   (``fake_run``'s world and ``StorageTracker``): the activations, the
+   parameter gathers of stage 3 (DeepSpeed's prefetch bucket and
+   ``stage3_max_live_parameters`` are written from the same wrap units, one
+   unit ahead), the parameters, the Adam moments and the gradient shard, with
+   their lifetimes;
+2. fake tensors of DeepSpeed's own buffers are allocated and freed beside it at
+   the moments DeepSpeed allocates and frees them, so the tracker counts them
+   where they overlap the rest. Each is a named term of ``DeepSpeedBuffers``,
+   sized from the JSON ``plan --to deepspeed`` writes for the candidate
+   (``write_deepspeed``):
+
+   - ``master_copy``: DeepSpeed keeps an fp32 master partition apart from the
+     parameters even in an fp32 run (``single_partition_of_fp32_groups``,
+     ``fp32_partitioned_groups_flat``); the native engine steps its fp32
+     parameters in place, and in a mixed run holds the master as DeepSpeed does
+     (no term). From setup on.
+   - ``grad_partition``: stage 2's contiguous gradient partition
+     (``grads_in_partition``), kept from the first backward on, in the
+     parameters' dtype; during a backward the native engine's own gradient
+     shard stands for it. Stage 3's flat gradient partition
+     (``grad_partitions_flat_buffer``), from setup on.
+   - ``reduce_buckets``: stages 1-2 allocate ``reduce_bucket_size`` elements in
+     the parameters' dtype when the first gradient of a micro-step is ready
+     (``setup_buckets``), twice with ``overlap_comm``, and free them at the end
+     of that backward. Stage 3 preallocates one flat bucket at setup
+     (``__ipg_bucket_flat_buffer``) and keeps it.
+   - ``fp32_grad_copy``: in a 16-bit run the step casts the gradient
+     partition to fp32 (``single_grad_partition``) for the optimizer.
+   - ``persistent``: stage-3 parameters of at most
+     ``stage3_param_persistence_threshold`` elements stay whole on every rank.
+   - DeepSpeed's all-gather bucket allocates nothing of its own.
+
+Calibrated against real DeepSpeed (gloo, world 2, CPU accelerator, two AdamW
+steps, ``testing/flavor_peaks.py``): tiny Llama and a Qwen2 config, stages 2
+and 3, fp32 and bf16, with and without activation checkpointing: every peak
+within 8.3% (docs/plan.md has the table; ``tests/test_plan_flavors.py``
+asserts 10%). Stages 0 and 1, offload, hybrid and hpZ layouts are not
+modelled: ``run_deepspeed`` refuses them with ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zerobridge.backends.native.prepare import prepare
+from zerobridge.engine import Engine
+from zerobridge.errors import ConfigError
+from zerobridge.planning.fake_run import Measured, Run, fake_world
+from zerobridge.planning.fsdp_fake_run import optimizer_for
+from zerobridge.planning.models import ModelSource
+from zerobridge.planning.tracker import StorageTracker
+from zerobridge.runtime.deferred_init import ShapeReplay
+from zerobridge.runtime.wrap_units import bucket_sizes
+from zerobridge.spec import OffloadDevice, StrategySpec
+from zerobridge.translate.deepspeed_write import write_deepspeed
+
+__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "run_deepspeed"]
+
+MODELLED_STAGES = (2, 3)
+
+
+class DeepSpeedBuffers(BaseModel):
+    """DeepSpeed's buffers beyond the native engine's, in bytes per rank (module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stage: int
+    dtype_bytes: int
+    """Bytes per element of the parameters (and gradients): 4 in fp32, 2 in bf16 or fp16."""
+    master_copy: int
+    grad_partition: int
+    reduce_buckets: int
+    """Stages 1-2: per micro-step, while the backward runs; stage 3: the one flat bucket, from setup on."""
+    fp32_grad_copy: int
+    persistent: int = 0
+
+    @property
+    def resident(self) -> int:
+        """Bytes held from setup on."""
+        held = self.master_copy + self.persistent
+        return held + (self.grad_partition + self.reduce_buckets if self.stage == 3 else 0)
+
+
+def buffers_for(config: dict[str, Any], *, params: int, world_size: int,
+                persistent_params: int = 0) -> DeepSpeedBuffers:
+    """The terms for a DeepSpeed JSON ``config`` training ``params`` parameters on ``world_size``
+    ranks; ``persistent_params``: stage-3 elements kept whole (at most the persistence threshold each)."""
+    zero = config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    low = bool(config.get("bf16", {}).get("enabled")) or bool(config.get("fp16", {}).get("enabled"))
+    size = 2 if low else 4
+    part = -(-params // world_size)
+    bucket = int(zero.get("reduce_bucket_size", 500_000_000))
+    overlap = bool(zero.get("overlap_comm", stage == 3))
+    copies = 2 if overlap and stage < 3 else 1
+    shared = persistent_params - persistent_params // world_size
+    return DeepSpeedBuffers(stage=stage, dtype_bytes=size, master_copy=0 if low else 4 * part,
+                            grad_partition=size * part, reduce_buckets=copies * size * bucket,
+                            fp32_grad_copy=4 * part if low else 0, persistent=size * shared if stage == 3 else 0)
+
+
+def _refuse(spec: StrategySpec) -> None:
+    stage = spec.sharding.stage
+    why = None
+    if int(stage) not in MODELLED_STAGES:
+        why = f"stage {int(stage)}"
+    elif OffloadDevice.NONE is not spec.offload.optimizer.device or \
+            OffloadDevice.NONE is not spec.offload.parameters.device:
+        why = "offload"
+    elif spec.sharding.shard_group != "world" or spec.sharding.backward_gather_group is not None:
+        why = "hybrid and hpZ groups"
+    if why is not None:
+        raise ConfigError(f"{why}: DeepSpeed's memory is modelled for stages 2 and 3 on one group, without "
+                          "offload", key="--flavor",
+                          fix="plan it with --flavor native or fsdp2, or measure it on real DeepSpeed")
+
+
+def deepspeed_config(spec: StrategySpec, model: nn.Module) -> dict[str, Any]:
+    """The DeepSpeed JSON ``plan --to deepspeed`` writes for ``spec`` on ``model``."""
+    return write_deepspeed(spec, bucket_sizes(model, spec)).value
+
+
+def _persistent_params(model: nn.Module, threshold: int) -> int:
+    return sum(p.numel() for p in model.parameters() if p.numel() <= threshold)
+
+
+def _first_gradient_hooks(model: nn.Module, fire: Callable[[], None]) -> None:
+    """Call ``fire`` when a gradient of a module with parameters is ready (the hook sits on the
+    module's input: its backward node computes the parameters' gradients as well)."""
+
+    def on_grad(grad: torch.Tensor) -> None:
+        fire()
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.is_grad_enabled():
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                    arg.register_hook(on_grad)
+
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            module.register_forward_hook(hook)
+
+
+def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None
+                  ) -> tuple[Measured, DeepSpeedBuffers]:
+    """Two fake steps of ``spec`` as DeepSpeed would hold them (module docstring), and the terms."""
+    _refuse(spec)
+    model = source.build(layers)
+    config = deepspeed_config(spec, model)
+    threshold = int(config["zero_optimization"].get("stage3_param_persistence_threshold", 0))
+    terms = buffers_for(config, params=sum(p.numel() for p in model.parameters()), world_size=run.world_size,
+                        persistent_params=_persistent_params(model, threshold))
+    dtype = torch.float32 if terms.dtype_bytes == 4 else torch.bfloat16
+    with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
+            StorageTracker() as tracker:
+        prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=torch.device("cpu"))
+        engine = model.__dict__["_zerobridge_engine"]
+        assert isinstance(engine, Engine)
+        optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
+        held = [torch.empty(terms.resident, dtype=torch.uint8)]
+        buckets: list[torch.Tensor] = []
+        armed = [False]
+
+        def first_gradient() -> None:
+            if armed[0]:
+                armed[0] = False
+                buckets.append(torch.empty(terms.reduce_buckets, dtype=torch.uint8))
+
+        _first_gradient_hooks(model, first_gradient)
+        partition: list[torch.Tensor] = []
+        generator = torch.Generator().manual_seed(0)
+        for step in range(2):
+            if step == 1:
+                engine.stats.reset()
+            for _ in range(run.accumulation):
+                tokens = torch.randint(0, max(source.vocab_size, 2), (run.micro_batch, run.seq_len),
+                                       generator=generator)
+                tracker.phase = "forward"
+                loss = source.loss(model, tokens) / run.accumulation
+                tracker.phase = "backward"
+                armed[0] = terms.stage < 3
+                partition.clear()  # the native gradient shard stands for it while a backward runs
+                loss.backward()
+                del loss, tokens
+                buckets.clear()
+                if terms.stage < 3:
+                    partition.append(torch.empty(terms.grad_partition, dtype=torch.uint8))
+            tracker.phase = "step"
+            cast = torch.empty(terms.fp32_grad_copy // 4, dtype=torch.float32) if dtype != torch.float32 else None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del cast
+        del held
+        memory = engine.memory()
+        stats = engine.stats
+    measured = Measured(peaks=dict(tracker.peaks), tiers=dict(memory["tier_bytes"]),
+                        model_states={"params": memory["param_bytes"], "grads": memory["grad_bytes"],
+                                      "optimizer": memory["optimizer_bytes"]},
+                        comm_bytes={k: int(v) for k, v in stats.bytes.items() if v},
+                        comm_calls={k: int(v) for k, v in stats.calls.items() if v})
+    return measured, terms
