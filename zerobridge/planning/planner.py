@@ -43,9 +43,10 @@ from torch import nn
 from zerobridge.errors import ConfigError
 from zerobridge.explain import Explanation, explain
 from zerobridge.load import load_spec_for_world
-from zerobridge.planning.candidates import Candidate, candidates
+from zerobridge.planning.candidates import Candidate, candidates, deepspeed_form
 from zerobridge.planning.fake_run import Measured, Run
-from zerobridge.planning.measure import FULL_DEPTH, SHALLOW, measure
+from zerobridge.planning.flavors import FLAVORS, FlavorMeasured, measure_flavor
+from zerobridge.planning.measure import FULL_DEPTH, SHALLOW
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.sizes import parse_bytes
 from zerobridge.spec import OffloadDevice, StrategySpec
@@ -70,6 +71,10 @@ class Row:
     margin: int
     """``device_memory - device_peak`` (negative: short by that much)."""
     own: bool = False
+    flavor: str = "native"
+    """The engine that measured it (``flavors``)."""
+    approximation: tuple[str, ...] = ()
+    """What ``flavor`` ran in place of the spec (FSDP2's closest form of ZeRO-1/2); empty when exact."""
 
     @property
     def offloaded(self) -> bool:
@@ -97,6 +102,8 @@ class Plan:
     how: str
     """How the figures were obtained (whole model, or extended from two depths)."""
     notes: tuple[str, ...] = field(default=())
+    flavor: str = "native"
+    """The engine every row was measured on (``--flavor``)."""
 
     def row(self, name: str) -> Row:
         """The row of candidate ``name``."""
@@ -111,15 +118,16 @@ class Plan:
         fitting = [r for r in self.rows if r.fits]
         if not fitting:
             return max(self.rows, key=lambda r: r.margin)
-        return min(fitting, key=lambda r: (r.comm_bytes, r.host_bytes, r.recomputes, r.device_peak))
+        return min(fitting, key=lambda r: (r.comm_bytes, bool(r.approximation), r.host_bytes, r.recomputes,
+                                           r.device_peak))
 
 
 def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], run: Run,
-                 workers: int, whole: bool) -> list[Measured]:
-    """Every spec measured; in ``workers`` fresh processes when the model is named by a string
-    (each process holds its own fake process group)."""
+                 workers: int, whole: bool, flavor: str) -> list[FlavorMeasured]:
+    """Every spec measured on ``flavor``; in ``workers`` fresh processes when the model is named by a
+    string (each process holds its own fake process group)."""
     if workers <= 1 or not isinstance(model, (str, Path)) or len(specs) < 2:
-        return [measure(source, spec, run, whole) for spec in specs]
+        return [measure_flavor(source, spec, run, whole, flavor) for spec in specs]
     import pickle
     import subprocess
     import sys
@@ -133,11 +141,11 @@ def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], 
         started = []
         for n, batch in enumerate(batches):
             task, result = Path(folder, f"task{n}.pkl"), Path(folder, f"result{n}.pkl")
-            task.write_bytes(pickle.dumps((str(model), [specs[i] for i in batch], run, whole)))
+            task.write_bytes(pickle.dumps((str(model), [specs[i] for i in batch], run, whole, flavor)))
             with open(Path(folder, f"err{n}.log"), "wb") as err:  # a file: a full pipe would block the worker
                 started.append((subprocess.Popen([sys.executable, "-m", "zerobridge.planning.worker", str(task),
                                                   str(result)], stdout=subprocess.DEVNULL, stderr=err), result))
-        measured: dict[int, Measured] = {}
+        measured: dict[int, FlavorMeasured] = {}
         for n, (batch, (proc, result)) in enumerate(zip(batches, started)):
             proc.wait()
             value = pickle.loads(result.read_bytes()) if result.exists() else None
@@ -153,10 +161,11 @@ def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], 
 
 
 def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, device_memory: int,
-         host_memory: int | None) -> Row:
+         host_memory: int | None, flavor: str = "native", approximation: tuple[str, ...] = ()) -> Row:
     spec = candidate.spec
     host_states = measured.tiers.get("host", 0)
-    offloaded_step = spec.offload.optimizer.device is not OffloadDevice.NONE
+    # what the flavor ran: FSDP2 has no optimizer-only offload, and runs that candidate on the device
+    offloaded_step = spec.offload.optimizer.device is not OffloadDevice.NONE and host_states > 0
     # ``setup`` is left out: a meta model's values are drawn on the host, one module at a time.
     phases = {k: v for k, v in measured.peaks.items() if k != "setup" and not (offloaded_step and k == "step")}
     device_peak = max(phases.values(), default=0) - host_states
@@ -170,7 +179,8 @@ def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, dev
     return Row(name=candidate.name, spec=spec, device_peak=device_peak, host_bytes=host,
                comm_bytes=sum(measured.comm_bytes.values()), comm_by_kind=dict(measured.comm_bytes),
                model_state_bytes=explanation.model_state_bytes, explanation=explanation,
-               peaks=dict(measured.peaks), fits=fits, margin=device_memory - device_peak, own=candidate.own)
+               peaks=dict(measured.peaks), fits=fits, margin=device_memory - device_peak, own=candidate.own,
+               flavor=flavor, approximation=approximation)
 
 
 def _source(model: str | Path | ModelSource | nn.Module) -> ModelSource:
@@ -217,7 +227,7 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
          micro_batch: int = 1, seq_len: int = 2048, nodes: int = 1, host_memory: int | str | None = None,
          precision: str = "bf16", accumulation: int = 1, optimizer: str = "adamw",
          strategies: Sequence[str | Path | StrategySpec] = (), only_own: bool = False,
-         workers: int | None = None, whole: bool = False) -> Plan:
+         workers: int | None = None, whole: bool = False, flavor: str = "native") -> Plan:
     """Measure every candidate layout of ``model`` on ``world_size`` ranks over ``nodes`` nodes and
     rank them (module docstring).
 
@@ -232,7 +242,12 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
         workers: processes measuring candidates side by side (default: the CPUs, at most 4; 1: this one).
         whole: measure every candidate at the model's full depth, never extended from two shallow
             ones (slower: about 15 s per candidate for a 70B model here).
+        flavor: the engine the figures are for: ``native`` (zerobridge's), ``fsdp2`` (the FSDP2
+            backend, on fake tensors) or ``deepspeed`` (DeepSpeed's buffers modelled on the native
+            run; stages 2 and 3); see ``flavors``.
     """
+    if flavor not in FLAVORS:
+        raise ConfigError(f"--flavor {flavor!r}", key="--flavor", fix=f"use one of {', '.join(FLAVORS)}")
     source = _source(model)
     device_bytes = parse_bytes(device_memory, key="--device-memory")
     host_bytes = None if host_memory is None else parse_bytes(host_memory, key="--host-memory")
@@ -251,15 +266,26 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
     params = source.params
     specs = [with_run_settings(c.spec, micro_batch=micro_batch, accumulation=accumulation,
                                precision=precision).value.model_copy(update={"name": c.name}) for c in chosen]
+    if flavor == "deepspeed":  # measured as --to deepspeed writes it: buckets sized for the model
+        specs = [deepspeed_form(spec, template, own=c.own)[0] for c, spec in zip(chosen, specs)]
     count = min(os.cpu_count() or 1, 4) if workers is None else workers
-    measured = _measure_all(model, source, specs, run, count, whole)
-    rows = [_row(Candidate(c.name, spec, c.own), m, params=params, run=run, device_memory=device_bytes,
-                 host_memory=host_bytes) for c, spec, m in zip(chosen, specs, measured)]
+    measured = _measure_all(model, source, specs, run, count, whole, flavor)
+    rows = [_row(Candidate(c.name, spec, c.own), m.measured, params=params, run=run, device_memory=device_bytes,
+                 host_memory=host_bytes, flavor=flavor, approximation=m.approximation)
+            for c, spec, m in zip(chosen, specs, measured) if m.measured is not None]
+    refused: dict[str, list[str]] = {}
+    for c, m in zip(chosen, measured):
+        if m.measured is None:
+            refused.setdefault(str(m.refused), []).append(c.name)
+    left = [f"{flavor} leaves out {', '.join(names)}: {why}" for why, names in refused.items()]
+    if not rows:
+        raise ConfigError(f"no candidate can be planned on {flavor}: {left[0]}", key="--flavor",
+                          fix="plan with --flavor native, or choose candidates the flavor runs")
     deep = source.layers is not None and source.layers > FULL_DEPTH and not whole
     how = (f"measured at {SHALLOW[0]} and {SHALLOW[1]} of {source.layers} blocks, extended to {source.layers}"
            if deep else "measured on the whole model")
     return Plan(model=source.name, params=params, run=run, precision=precision, device_memory=device_bytes,
-                host_memory=host_bytes, rows=tuple(rows), how=how)
+                host_memory=host_bytes, rows=tuple(rows), how=how, notes=tuple(left), flavor=flavor)
 
 
 def ranks_needed(row: Row, device_memory: int, run: Run) -> int | None:

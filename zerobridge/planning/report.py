@@ -16,6 +16,9 @@ from typing import Any
 from zerobridge.explain import format_bytes
 from zerobridge.planning.planner import Plan, Row, ranks_needed
 
+_FLAVOR_NAMES = {"native": "native engine", "fsdp2": "FSDP2 backend (fully_shard)",
+                 "deepspeed": "DeepSpeed (its buffers modelled on the native run)"}
+
 __all__ = ["no_fit_message", "render", "to_json"]
 
 
@@ -34,20 +37,20 @@ def render(result: Plan) -> str:
         f"{run.optimizer}",
         f"device memory {format_bytes(result.device_memory)} per rank"
         + (f", host memory {format_bytes(result.host_memory)} per node" if result.host_memory else "")
-        + f"; {result.how}, per rank, fake tensors",
+        + f"; {result.how}, per rank, fake tensors; peaks for the {_FLAVOR_NAMES[result.flavor]}",
         "",
         f"{'candidate':<30}{'device peak':>12}{'host':>11}{'comm/step':>11}{'model states':>14}  "
         f"{'formula':<16}fits",
     ]
     for row in sorted(result.rows, key=lambda r: (not r.fits, r.comm_bytes, r.host_bytes, r.device_peak)):
-        mark = "*" if row.own else " "
+        mark = "*" if row.own else "~" if row.approximation else " "
         lines.append(f"{mark}{row.name:<29}{format_bytes(row.device_peak):>12}{format_bytes(row.host_bytes):>11}"
                      f"{format_bytes(row.comm_bytes):>11}{format_bytes(row.model_state_bytes):>14}  "
                      f"{row.explanation.formula:<16}{_fit(row)}")
     best = result.recommended
     lines.append("")
     if best.fits:
-        lines.append(f"recommended: {best.name}: {format_bytes(best.device_peak)} of "
+        lines.append(f"recommended for {result.flavor}: {best.name}: {format_bytes(best.device_peak)} of "
                      f"{format_bytes(result.device_memory)} per rank ({format_bytes(best.margin)} to spare), "
                      f"{format_bytes(best.comm_bytes)} moved per step; the least communication of those that fit, "
                      "then the least offload, then no recomputation")
@@ -55,6 +58,10 @@ def render(result: Plan) -> str:
         lines.append(no_fit_message(result))
     if any(r.own for r in result.rows):
         lines.append("* your own strategy")
+    approximated = {note: [r.name for r in result.rows if note in r.approximation]
+                    for row in result.rows for note in row.approximation}
+    for note, names in approximated.items():
+        lines.append(f"~ {', '.join(names)}: {result.flavor} has no exact form; measured as it runs them: {note}")
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines) + "\n"
 
@@ -86,7 +93,8 @@ def _row_json(row: Row) -> dict[str, Any]:
             "margin_bytes": row.margin, "host_bytes": row.host_bytes, "comm_bytes_per_step": row.comm_bytes,
             "comm_bytes_by_collective": row.comm_by_kind, "model_state_bytes": row.model_state_bytes,
             "model_state_formula": row.explanation.formula, "peak_bytes_by_phase": row.peaks,
-            "activation_checkpointing": row.recomputes, "offloaded": row.offloaded,
+            "activation_checkpointing": row.recomputes, "offloaded": row.offloaded, "flavor": row.flavor,
+            "approximation": list(row.approximation),
             "spec": row.spec.model_dump(mode="json")}
 
 
@@ -96,6 +104,6 @@ def to_json(result: Plan) -> dict[str, Any]:
     return {"model": result.model, "params": result.params, "world_size": run.world_size, "nodes": run.nodes,
             "micro_batch": run.micro_batch, "seq_len": run.seq_len, "accumulation": run.accumulation,
             "precision": result.precision, "optimizer": run.optimizer, "device_memory_bytes": result.device_memory,
-            "host_memory_bytes": result.host_memory, "method": result.how,
+            "host_memory_bytes": result.host_memory, "method": result.how, "flavor": result.flavor,
             "recommended": result.recommended.name if result.recommended.fits else None,
             "candidates": [_row_json(r) for r in result.rows], "notes": list(result.notes)}

@@ -1,0 +1,101 @@
+"""Which engine a plan measures a candidate on: the native engine, FSDP2, or DeepSpeed's memory model.
+
+    >>> from zerobridge.planning.flavors import FLAVORS, flavor_for_target
+    >>> FLAVORS
+    ('native', 'fsdp2', 'deepspeed')
+    >>> flavor_for_target("accelerate-deepspeed"), flavor_for_target("torchtitan"), flavor_for_target("spec")
+    ('deepspeed', 'fsdp2', 'native')
+
+- ``native``: zerobridge's engine on fake tensors (``fake_run``), exact for it.
+- ``fsdp2``: zerobridge's FSDP2 backend (torch ``fully_shard``) on fake tensors
+  (``fsdp_fake_run``); a layout FSDP2 has no exact form for (ZeRO-1, ZeRO-2)
+  runs as the backend's closest form, and the row says which.
+- ``deepspeed``: the native run of the same layout plus DeepSpeed's own buffers
+  (``deepspeed_memory``: real DeepSpeed does not run on fake tensors), sized
+  from the JSON ``--to deepspeed`` writes; stages 2 and 3 on one group without
+  offload; other candidates are left out of that flavor's plan, with the reason.
+
+A candidate deeper than ``FULL_DEPTH`` blocks is measured at ``SHALLOW`` depths
+and extended, on every flavor alike (``measure``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from zerobridge.errors import ConfigError
+from zerobridge.planning.deepspeed_memory import run_deepspeed
+from zerobridge.planning.fake_run import Measured, Run, run_once
+from zerobridge.planning.fsdp_fake_run import run_fsdp
+from zerobridge.planning.measure import FULL_DEPTH, SHALLOW, extend
+from zerobridge.planning.models import ModelSource, resolve_model
+from zerobridge.spec import StrategySpec
+
+__all__ = ["FLAVORS", "FlavorMeasured", "flavor_for_target", "measure_flavor", "measure_flavor_ref"]
+
+FLAVORS = ("native", "fsdp2", "deepspeed")
+"""The engines a plan can measure on (``--flavor``)."""
+
+_TARGET_FLAVOR = {"deepspeed": "deepspeed", "accelerate-deepspeed": "deepspeed", "trainer-deepspeed": "deepspeed",
+                  "fsdp2": "fsdp2", "torchtitan": "fsdp2", "accelerate-fsdp": "fsdp2", "lightning": "fsdp2",
+                  "trainer-fsdp": "fsdp2", "fsdp1": "fsdp2"}
+"""``--to`` format -> the flavor that runs it (FSDP1 and Lightning's FSDP are measured as FSDP2)."""
+
+Runner = Callable[[ModelSource, StrategySpec, Run, "int | None"], tuple[Measured, tuple[str, ...]]]
+
+
+@dataclass(frozen=True)
+class FlavorMeasured:
+    """One candidate on one flavor: its figures, or why that flavor cannot plan it."""
+
+    measured: Measured | None
+    approximation: tuple[str, ...] = ()
+    """What the flavor ran instead of the spec (``key: note``); empty when exact."""
+    refused: str | None = None
+
+
+def flavor_for_target(target: str) -> str:
+    """The flavor a ``--to`` format runs on (``native`` for zerobridge's own ``spec``)."""
+    return _TARGET_FLAVOR.get(target, "native")
+
+
+def _native(source: ModelSource, spec: StrategySpec, run: Run, layers: int | None) -> tuple[Measured, tuple[str, ...]]:
+    return run_once(source, spec, run, layers=layers), ()
+
+
+def _fsdp2(source: ModelSource, spec: StrategySpec, run: Run, layers: int | None) -> tuple[Measured, tuple[str, ...]]:
+    return run_fsdp(source, spec, run, layers=layers)
+
+
+def _deepspeed(source: ModelSource, spec: StrategySpec, run: Run, layers: int | None
+               ) -> tuple[Measured, tuple[str, ...]]:
+    return run_deepspeed(source, spec, run, layers=layers)[0], ()
+
+
+_RUNNERS: dict[str, Runner] = {"native": _native, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
+
+
+def measure_flavor(source: ModelSource, spec: StrategySpec, run: Run, whole: bool, flavor: str) -> FlavorMeasured:
+    """Two fake steps of ``spec`` on ``flavor``: whole up to ``FULL_DEPTH`` blocks (or ``whole``), else at
+    ``SHALLOW`` depths, extended. A layout the flavor cannot run is returned as refused (native: raised)."""
+    runner = _RUNNERS[flavor]
+    try:
+        with warnings.catch_warnings():
+            # a plan measures training: a model whose config keeps a KV cache is planned as trained, without it
+            warnings.filterwarnings("ignore", message="activation checkpointing: .* dropped")
+            if whole or source.layers is None or source.layers <= FULL_DEPTH:
+                measured, notes = runner(source, spec, run, None)
+                return FlavorMeasured(measured, notes)
+            (low, notes), (high, _) = (runner(source, spec, run, d) for d in SHALLOW)
+    except ConfigError as exc:
+        if flavor == "native":
+            raise
+        return FlavorMeasured(None, refused=exc.message)
+    return FlavorMeasured(extend(low, high, SHALLOW, source.layers), notes)
+
+
+def measure_flavor_ref(ref: str, spec: StrategySpec, run: Run, whole: bool, flavor: str) -> FlavorMeasured:
+    """``measure_flavor`` in a worker process: the model named again there (a source does not pickle)."""
+    return measure_flavor(resolve_model(ref), spec, run, whole, flavor)
