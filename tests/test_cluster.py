@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from zerobridge.harness import zygote
 from zerobridge.harness.cluster import Cluster, RankError
 
 PROBES = "zerobridge.harness.probes"
@@ -154,3 +158,53 @@ def test_a_plain_script_without_a_main_guard_starts_a_cluster(tmp_path: Path) ->
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["top level ran", "[3.0, 3.0]"]  # once: no worker re-ran the script
+
+
+# --------------------------------------------------------------- how workers start: forked from a zygote
+
+
+def test_workers_are_forked_from_one_zygote_that_has_torch_loaded() -> None:
+    """Forked workers come from one zygote (which imported torch once), the same for a second group."""
+    if not zygote.forking():
+        pytest.skip("this platform starts workers fresh (no fork or no socket.send_fds)")
+    with Cluster(2, timeout_s=60) as first:
+        parents = {info["parent"] for info in first.run(f"{PROBES}:start_info")}  # type: ignore[index]
+    with Cluster(2, timeout_s=60) as second:
+        infos = second.run(f"{PROBES}:start_info")
+    assert {info["parent"] for info in infos} == parents and len(parents) == 1  # type: ignore[index]
+    assert parents != {os.getpid()}
+    assert all("zerobridge.harness.zygote" in info["parent_args"] for info in infos)  # type: ignore[index]
+
+
+def test_spawn_mode_starts_fresh_interpreters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZEROBRIDGE_CLUSTER_START", "spawn")
+    assert not zygote.forking()
+    with Cluster(2, timeout_s=60) as cluster:
+        infos = cluster.run(f"{PROBES}:start_info")
+        assert cluster.run(f"{PROBES}:all_reduce_sum", value=0.5) == [1.0, 1.0]
+    assert {info["parent"] for info in infos} == {os.getpid()}  # type: ignore[index]
+
+
+def test_a_forked_worker_has_the_requests_folder_environment_and_streams(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    if not zygote.forking():
+        pytest.skip("this platform starts workers fresh")
+    monkeypatch.chdir(tmp_path)
+    worker = zygote.start_module("zerobridge.harness.probes", {**os.environ, "PROBE_SAYS": "from the request"})
+    assert worker.wait(timeout=30) == 0
+    out = capfd.readouterr()
+    assert f"probes as a program in {tmp_path} says from the request" in out.out
+    assert "and to stderr" in out.err
+
+
+def test_a_forked_workers_exit_code_and_kill_are_reported() -> None:
+    if not zygote.forking():
+        pytest.skip("this platform starts workers fresh")
+    env = {**os.environ, "PROBE_EXIT": "7"}
+    assert zygote.start_module("zerobridge.harness.probes", env).wait(timeout=30) == 7
+    sleeper = zygote.start_module("zerobridge.harness.probes", {**os.environ, "PROBE_SLEEP_S": "60"})
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.2)
+    assert sleeper.poll() is None
+    sleeper.kill()
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL

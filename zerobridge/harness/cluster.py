@@ -48,6 +48,8 @@ from contextlib import contextmanager, suppress
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, NoReturn
 
+from zerobridge.harness.zygote import Worker, forking, start_module
+
 __all__ = ["Cluster", "RankError", "clusters"]
 
 _READY = -1  # task id of the start-up report each worker sends after init
@@ -84,6 +86,15 @@ def _resolve(target: str) -> Callable[..., object]:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _start(env: dict[str, str]) -> Worker:
+    """One worker program with ``env``: forked from a zygote that has imported torch (``zygote``), or a
+    fresh interpreter where forking is off."""
+    if forking():
+        return start_module("zerobridge.harness.cluster", env)
+    proc = subprocess.Popen([sys.executable, "-m", "zerobridge.harness.cluster"], env=env)
+    return Worker(proc.pid, proc=proc)
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -169,7 +180,7 @@ class Cluster:
         self.group_timeout_s = float(group_timeout_s if group_timeout_s is not None else timeout_s)
         self.backend = backend
         self.env = dict(env or {})
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[Worker] = []
         self._conns: dict[int, Connection] = {}
         self._listener: Listener | None = None
         self._next_id = 0
@@ -196,7 +207,7 @@ class Cluster:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
                    "LOCAL_WORLD_SIZE": str(self.world_size)}
-            self._procs.append(subprocess.Popen([sys.executable, "-m", "zerobridge.harness.cluster"], env=env))
+            self._procs.append(_start(env))
         try:
             self._collect(_READY, max(self.timeout_s, _STARTUP_MIN_S), "start-up", accepted)
         except BaseException:

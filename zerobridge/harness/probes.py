@@ -8,12 +8,14 @@ run after the default process group is initialised and return picklable values.
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_sum", "exit_on", "fail_on", "rank_info", "sleep_s"]
+__all__ = ["all_reduce_sum", "exit_on", "fail_on", "rank_info", "sleep_s", "start_info"]
 
 
 def rank_info() -> dict[str, object]:
@@ -56,3 +58,17 @@ def sleep_s(seconds: float) -> int:
     """Sleep ``seconds`` and return this rank (to exercise timeouts)."""
     time.sleep(seconds)
     return dist.get_rank()
+
+
+def start_info() -> dict[str, object]:
+    """How this worker started: its parent's process id and command line (Linux: ``/proc``)."""
+    parent = os.getppid()
+    cmdline = Path(f"/proc/{parent}/cmdline")
+    return {"parent": parent, "parent_args": cmdline.read_text().split("\0") if cmdline.exists() else []}
+
+
+if __name__ == "__main__":  # a program for the zygote's tests: prints, sleeps or exits as its variables say
+    print(f"probes as a program in {os.getcwd()} says {os.environ.get('PROBE_SAYS', '')}", flush=True)
+    print("and to stderr", file=sys.stderr, flush=True)
+    time.sleep(float(os.environ.get("PROBE_SLEEP_S", "0")))
+    sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
