@@ -12,10 +12,11 @@
     zerobridge plan path/to/config.json --world-size 8 --device-memory 24GiB --to deepspeed -o ds.json
 
 The model (a built-in, a Hugging Face config.json, ``pkg.module:factory``) is
-built on the meta device; every candidate layout trains two steps on the
-native engine as one rank, on fake tensors and a fake process group, so a
-405B model plans on a laptop (``planner`` explains the figures; docs/plan.md
-has the measured accuracy).
+built on the meta device; every candidate layout trains two steps as one
+rank, on fake tensors and a fake process group, so a 405B model plans on a
+laptop: on the native engine, on the FSDP2 backend, or as DeepSpeed holds it
+(``flavor=``; ``flavors`` says how each is measured, ``planner`` explains the
+figures; docs/plan.md has the measured accuracy per flavor).
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@
     >>> row = result.row("zero3"); row.model_state_bytes == row.explanation.model_state_bytes
     True
 
-For each candidate (``candidates``), the native engine trains two steps as
-rank 0 of the world on fake tensors (``fake_run``). A model deeper than
+For each candidate (``candidates``), the engine of the plan's flavor trains
+two steps as rank 0 of the world on fake tensors (``flavors``: the native
+engine, ``fake_run``; the FSDP2 backend, ``fsdp_fake_run``; DeepSpeed's
+buffers beside the native run, ``deepspeed_memory``). A model deeper than
 ``FULL_DEPTH`` blocks is measured at two shallower depths and every figure
 (each phase's peak, the bytes on each tier, the bytes each collective moves)
 extended along the line through them to the full depth: every figure but the
@@ -24,9 +26,10 @@ Per rank:
 - **comm/step**: bus bytes per optimizer step (``explain``'s convention).
 - **model states**: ``explain``'s formula for the spec (the ZeRO paper's count).
 
-The recommendation: among the candidates that fit (device peak within
-``device_memory``; host bytes of a node's ranks within ``host_memory``, when
-given), the least communication, then the least offloaded, then no
+The recommendation, for the plan's flavor: among the candidates that fit
+(device peak within ``device_memory``; host bytes of a node's ranks within
+``host_memory``, when given), the least communication, then exact before a
+flavor's approximation, then the least offloaded, then no
 recomputation, then the smallest peak.
 """
 
