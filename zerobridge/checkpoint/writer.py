@@ -277,7 +277,7 @@ def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, save
     patience = save_timeout(max(agree(distributed, error, nbytes)))
     writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True,
                               thread_count=writer_threads(nbytes), overwrite=True)
-    swapped = False
+    swapped = abandoned = False
     try:
         try:
             with warnings.catch_warnings():  # no_dist: DCP warns that it saves in one process, as asked
@@ -285,7 +285,7 @@ def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, save
                 dcp_save({}, storage_writer=writer, planner=_Planner(pieces, blobs), no_dist=not distributed,
                          process_group=host_world() if distributed else None)
         except (CheckpointException, OSError) as exc:  # DCP raises on every rank when any rank failed to write
-            removed = _abandon(staged, lock) if rank == 0 else True
+            removed = abandoned = _abandon(staged, lock) if rank == 0 else True
             raise save_failed(path, exc, staged_removed=removed) from None
         digests: dict[str, Any] = {}
         try:  # each rank hashes the files it wrote; rank 0 also DCP's metadata
@@ -303,7 +303,7 @@ def write_checkpoint(path: Path, pieces: list[Piece], blobs: list[Blob], *, save
                 error = save_failed(path, exc, staged_removed=True)
         agree(distributed, error)
     except BaseException:
-        if rank == 0 and not swapped:  # never leave a half-written save behind, whatever stopped it
+        if rank == 0 and not swapped and not abandoned:  # never leave a half-written save behind
             _abandon(staged, lock)
         raise
     finally:
