@@ -1,6 +1,7 @@
 """Each flavor's planned peak against that flavor's real peak: the table under "Flavors" in docs/plan.md.
 
     python bench/plan_flavors.py          # about 4 min on 2 CPU cores; bench/results/plan_flavors.json
+    python bench/plan_flavors.py --models tiny-gpt:20m --world-size 4 -o other.json
 
 Cells: the tiny Llama and a 3-layer Qwen2 config (``QWEN2``), stages 2 and 3
 with and without activation checkpointing, fp32 and bf16, world 2, 2 x 128
@@ -15,6 +16,7 @@ script, not a test (``tests/test_plan_flavors.py`` asserts a subset).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -32,7 +34,7 @@ from zerobridge.translate.run_level import with_run_settings
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
-WORLD, MICRO_BATCH, SEQ_LEN = 2, 2, 128
+MICRO_BATCH, SEQ_LEN = 2, 128
 QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "intermediate_size": 352,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
          "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -40,9 +42,9 @@ CANDIDATES = ("zero2", "zero3", "zero2+ac", "zero3+ac")
 PRECISIONS = ("fp32", "bf16")
 
 
-def _specs(model: str, flavor: str) -> dict[str, StrategySpec]:
+def _specs(model: str, flavor: str, world: int) -> dict[str, StrategySpec]:
     template = resolve_model(model).build()
-    made = {c.name: c.spec for c in candidates(template, nodes=1, ranks_per_node=WORLD)}
+    made = {c.name: c.spec for c in candidates(template, nodes=1, ranks_per_node=world)}
     out = {}
     for precision in PRECISIONS:
         for name in CANDIDATES:
@@ -53,25 +55,25 @@ def _specs(model: str, flavor: str) -> dict[str, StrategySpec]:
     return out
 
 
-def _real(model: str, flavor: str, specs: dict[str, StrategySpec]) -> dict[str, int]:
+def _real(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -> dict[str, int]:
     run = {"model": model, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN}
     if flavor == "deepspeed":
         template = resolve_model(model).build()
         configs = {k: deepspeed_config(s, template) | {"zero_allow_untested_optimizer": True, "steps_per_print": 2**62}
                    for k, s in specs.items()}
-        with Cluster(WORLD, timeout_s=900, env=ENV) as cluster:
+        with Cluster(world, timeout_s=900, env=ENV) as cluster:
             ranks: list[Any] = cluster.run("zerobridge.testing.flavor_peaks:deepspeed_peaks", configs=configs,
                                            recompute=tuple(k for k in configs if "+ac" in k), **run)
     else:
-        with Cluster(WORLD, timeout_s=900) as cluster:
+        with Cluster(world, timeout_s=900) as cluster:
             ranks = cluster.run("zerobridge.testing.flavor_peaks:fsdp_peaks", clip=None, approximate=True,
                                 specs={k: s.model_dump(mode="json") for k, s in specs.items()}, **run)
     return {k: max(r[k]["train"] for r in ranks) for k in specs}
 
 
-def _planned(model: str, flavor: str, specs: dict[str, StrategySpec]) -> dict[str, int]:
+def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -> dict[str, int]:
     source = resolve_model(model)
-    run = Run(world_size=WORLD, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+    run = Run(world_size=world, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
     out = {}
     for key, spec in specs.items():
         measured = measure_flavor(source, spec, run, False, flavor).measured
@@ -81,23 +83,29 @@ def _planned(model: str, flavor: str, specs: dict[str, StrategySpec]) -> dict[st
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny-llama", "qwen2"], help="names; qwen2 is QWEN2")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("-o", "--output", type=Path, default=REPO / "bench" / "results" / "plan_flavors.json")
+    args = parser.parse_args()
+    world = args.world_size
     os.environ.update(ENV)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         qwen2 = Path(folder, "qwen2.json")
         qwen2.write_text(json.dumps(QWEN2))
-        for label, model in (("tiny-llama", "tiny-llama"), ("qwen2", str(qwen2))):
+        for label in args.models:
+            model = str(qwen2) if label == "qwen2" else label
             for flavor in ("deepspeed", "fsdp2"):
-                specs = _specs(model, flavor)
-                real, planned = _real(model, flavor, specs), _planned(model, flavor, specs)
+                specs = _specs(model, flavor, world)
+                real, planned = _real(model, flavor, specs, world), _planned(model, flavor, specs, world)
                 for key in specs:
                     rows.append({"model": label, "flavor": flavor, "cell": key, "real_bytes": real[key],
                                  "planned_bytes": planned[key], "error": planned[key] / real[key] - 1})
                     print(f"{label:>10} {flavor:>9} {key:14} real {real[key] / 2**20:7.1f} MiB  "
                           f"plan {planned[key] / 2**20:7.1f} MiB  {planned[key] / real[key] - 1:+.1%}", flush=True)
-    out = REPO / "bench" / "results" / "plan_flavors.json"
-    out.write_text(json.dumps({"world_size": WORLD, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "rows": rows},
-                              indent=2) + "\n")
+    result = {"world_size": world, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "rows": rows}
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,13 @@ import torch
 from torch import nn
 
 import zerobridge
+from zerobridge.planning.candidates import with_checkpointing
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.tracker import StorageTracker
+from zerobridge.runtime.unit_wrap import checkpointed
+from zerobridge.runtime.wrap_units import unit_modules
 from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import spec_for_stage
 
 __all__ = ["deepspeed_peaks", "fsdp_peaks"]
 
@@ -61,8 +65,12 @@ def _measured(tracker: StorageTracker) -> dict[str, int]:
 
 def _build(source: ModelSource, recompute: bool) -> nn.Module:
     model = source.builder(None)  # real values, on the CPU
-    if recompute:
+    if recompute and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()  # type: ignore[operator]
+    elif recompute:  # zerobridge's GPT: each unit the plan's +ac candidates recompute, as the engines do
+        wrap = with_checkpointing(spec_for_stage(2, model), model).wrapping
+        for unit in unit_modules(model, wrap)[1:]:
+            unit.forward = checkpointed(unit.forward)
     return model
 
 
@@ -70,7 +78,8 @@ def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_bat
                     recompute: tuple[str, ...] = ()) -> dict[str, dict[str, int]]:
     """On every rank: each DeepSpeed JSON of ``configs`` run by ``deepspeed.initialize`` with a client
     torch optimizer; per config, this rank's peaks by phase and ``train``. Configs named in
-    ``recompute`` recompute activations in the model (a DeepSpeed JSON cannot say it)."""
+    ``recompute`` recompute activations in the model (a DeepSpeed JSON cannot say it): a Hugging Face
+    model through ``gradient_checkpointing_enable``, another one unit at a time as the plan's ``+ac``."""
     import deepspeed  # lazy: only DeepSpeed workers need it
 
     source = resolve_model(model)
