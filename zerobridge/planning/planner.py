@@ -52,6 +52,7 @@ from zerobridge.planning.flavors import FLAVORS, FlavorMeasured, measure_flavor
 from zerobridge.planning.measure import FULL_DEPTH, SHALLOW
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.sizes import parse_bytes
+from zerobridge.planning.worker import fork_map
 from zerobridge.spec import OffloadDevice, StrategySpec
 from zerobridge.translate.run_level import with_run_settings
 
@@ -127,9 +128,14 @@ class Plan:
 
 def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], run: Run,
                  workers: int, whole: bool, flavor: str) -> list[FlavorMeasured]:
-    """Every spec measured on ``flavor``; in ``workers`` fresh processes when the model is named by a
-    string (each process holds its own fake process group)."""
-    if workers <= 1 or not isinstance(model, (str, Path)) or len(specs) < 2:
+    """Every spec measured on ``flavor``; in ``workers`` processes (each holding its own fake process
+    group): forked from this one (``worker.fork_map``), else fresh ones when the model is named by a string."""
+    if workers <= 1 or len(specs) < 2:
+        return [measure_flavor(source, spec, run, whole, flavor) for spec in specs]
+    forked = fork_map(lambda i: measure_flavor(source, specs[i], run, whole, flavor), len(specs), workers=workers)
+    if forked is not None:
+        return forked
+    if not isinstance(model, (str, Path)):
         return [measure_flavor(source, spec, run, whole, flavor) for spec in specs]
     import pickle
     import subprocess
