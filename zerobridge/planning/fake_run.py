@@ -32,10 +32,11 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from zerobridge.backends.native.prepare import prepare
 from zerobridge.engine import Engine
@@ -105,6 +106,22 @@ def fake_world(world_size: int, ranks_per_node: int) -> Iterator[None]:
             os.environ["LOCAL_WORLD_SIZE"] = saved
 
 
+class _FakeRunTracker(StorageTracker):
+    """``StorageTracker`` answering fake tensors' device queries itself, as ``FakeTensor`` would.
+
+    Autograd asks every gradient's device, and a fake tensor answers in Python (``prim.device``):
+    about 700 of a fake step's 1,100 dispatched ops per block. Answered here, each skips the fake
+    mode's dispatch below (a fifth of a planning run's time); the answer is the same."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
+            return args[0].fake_device
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_DEVICE = torch.ops.prim.device.default
+
+
 def _optimizer(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
@@ -147,7 +164,7 @@ def run_once(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
     ``run``'s world, on fake tensors. ``ConfigError`` when the engine refuses the layout."""
     model = source.build(layers)
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            StorageTracker() as tracker:
+            _FakeRunTracker() as tracker:
         return _two_steps(source, model, spec, run, ShapeReplay(model), tracker)
 
 
