@@ -23,9 +23,10 @@ the optimizer steps). Deferred gradients no step consumed stay in the store and
 add up with the next window's, as ``p.grad`` would in torch.
 
 A ``clip_grad_norm_`` call asks for every gradient at once (``materialize_grads``).
-The step alone does not: it casts a tile of parameters at a time (``cast_grads``),
-steps the tile and drops its copies, so the fp32 gradients held at once are one
-tile's (``step.py``), never all of them beside the store.
+The step alone does not, nor does the spec's clipping (applied at step time): each
+tile of parameters is cast (``cast_grads``), stepped and dropped in turn, so the
+fp32 gradients held at once are one tile's (``step.py``), never all of them
+beside the store.
 """
 
 from __future__ import annotations
