@@ -6,8 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.setup-stamp
-# DeepSpeed's C++ ops build into ~/.cache/zerobridge/torch_extensions/torch-<version> unless
-# TORCH_EXTENSIONS_DIR says otherwise (zerobridge/backends/deepspeed/extensions.py): once per machine.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
 .PHONY: setup demo lint test test-steps test-gpu clean

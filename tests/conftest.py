@@ -1,5 +1,4 @@
-"""Shared fixtures: where the public config corpus is (tests skip without it), where DeepSpeed builds its
-ops, and the time every run reports."""
+"""Shared fixtures: where the public config corpus is (tests skip without it)."""
 
 from __future__ import annotations
 
@@ -10,15 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from zerobridge.backends.deepspeed.extensions import extensions_dir
-
 REPO = Path(__file__).resolve().parents[1]
-
-EXTENSIONS = extensions_dir()
-"""Where DeepSpeed's C++ ops (shared-memory comm, CPU Adam, FusedAdam) are built, for every process the
-suite starts: ``$TORCH_EXTENSIONS_DIR`` when set, else the folder a user's runs get
-(``~/.cache/zerobridge/torch_extensions/torch-<version>``), so a fresh clone reuses what an earlier
-run on the machine built (minutes of compiling on 2 cores) instead of building into the clone."""
 
 
 def corpus_dir() -> Path | None:

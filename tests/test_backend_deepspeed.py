@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO
 
 import zerobridge
 from zerobridge.backends.base import backend_of
@@ -41,7 +42,7 @@ pytest.importorskip("deepspeed")
 
 pytestmark = pytest.mark.distributed
 
-ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}
+ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
 STEPS, SAVED_AT = 10, 4
 UNUSED = ("unused.weight", "unused.bias")
 FP32_LOSS_RTOL = 1e-5

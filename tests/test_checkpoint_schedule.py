@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import EXTENSIONS
+from conftest import REPO
 
 from zerobridge.checkpoint.run_state import restore_scheduler
 from zerobridge.harness.cluster import Cluster, RankError
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.distributed
 
 ME = "test_checkpoint_schedule"
 STEPS, SAVED_AT, RTOL = 6, 3, 1e-5
-ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)}
+ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
 GROUPS = [{"lr": 3e-2, "weight_decay": 0.1}, {"lr": 3e-2, "weight_decay": 0.0}]
 
 

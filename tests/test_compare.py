@@ -27,6 +27,7 @@ from zerobridge.spec.presets import spec_for_stage
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
 def outcome(name: str, losses: list[float], norms: list[float] | None = None, *, error: str | None = None,

@@ -114,7 +114,7 @@ class Launches:
             self.configs.append(path)
         self.env = os.environ | {
             "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-            "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
 

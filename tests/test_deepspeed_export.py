@@ -68,7 +68,7 @@ files of a resumed run hold what it loaded (param groups, state keys, loss scale
 ZEROED = "zero2_zeroed_moments"
 """An export of the same checkpoint with exp_avg and exp_avg_sq zeroed: what a lost optimizer state looks like."""
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-       "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
+       "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 

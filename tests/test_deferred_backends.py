@@ -19,6 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import REPO
 
 from zerobridge.backends.deepspeed.materialize import Partitioner
 from zerobridge.harness.cluster import Cluster
@@ -29,7 +30,7 @@ from zerobridge.testing.deferred import eager_state
 META = "zerobridge.testing.deferred:meta_state"
 TRAIN = "zerobridge.testing.fsdp_run:train"
 DS_ENV = {"DS_ACCELERATOR": "cpu",
-          "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}
+          "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 
 pytestmark = pytest.mark.distributed
 

@@ -45,6 +45,7 @@ SYNOPSIS = re.compile(r" ?\[[^\]]*\](\.\.\.)?")  # a synopsis's optional ``[--fl
 COMMAND = re.compile(r"^([A-Z_]+=\S+|zerobridge|\.venv/bin/\S+|python|make|pip|torchrun|accelerate|deepspeed)\s")
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by every process a block starts
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 SHRINK: dict[str, list[tuple[str, str]]] = {
     # page: (as written, as run) -- the same command, fewer steps, stages, backends or processes

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the launched ranks
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
 
 def launch(tmp_path: Path, *choice: str, steps: int = 3) -> list[dict[str, object]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO
 
 from zerobridge.harness.cluster import Cluster
 from zerobridge.planning import Plan, plan
@@ -25,7 +26,7 @@ from zerobridge.spec import StrategySpec
 from zerobridge.translate.run_level import with_run_settings
 
 WORLD, MICRO_BATCH, SEQ_LEN, WITHIN = 2, 2, 128, 0.10
-ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}
+ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
 QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "intermediate_size": 352,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
          "max_position_embeddings": 512, "tie_word_embeddings": True}

@@ -37,6 +37,7 @@ from zerobridge.runtime.optimizers import OWN_OPTIMIZER, build_optimizer, resolv
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 STEPS = 200
 REL = 1e-12
