@@ -47,6 +47,7 @@ def test_deepspeed_terms() -> None:
     # an fp32 master partition apart from the fp32 parameters; two reduce buckets with overlap_comm
     assert (b.master_copy, b.grad_partition, b.reduce_buckets, b.fp32_grad_copy) == (20_004, 20_004, 8000, 0)
     assert b.resident == 20_004  # stage 2: buckets and partition live per backward, not from setup
+    assert b.adam_temporaries == 20_004  # AdamW on the one flat fp32 partition: a partition-sized temporary
     bf16 = fp32 | {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
                                                                    "stage3_param_persistence_threshold": 10}}
     b = buffers_for(bf16, params=10_000, world_size=4, persistent_params=100)
@@ -145,7 +146,7 @@ def fsdp_real(folder: Path) -> Iterator[dict[tuple[str, str, str], int]]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_deepspeed_plan_within_10_percent_of_real_deepspeed(deepspeed_real: dict[Any, int], folder: Path) -> None:
-    """Measured: -8.3% to +7.4% over 16 cells (docs/plan.md); four of them here."""
+    """Measured: 31 of 32 cells within 8.6%, one at +10.2% (docs/plan.md); four of them here."""
     errors = {cell: _planned(_model(cell[0], folder), _spec(_model(cell[0], folder), cell[1], cell[2], "deepspeed"),
                              "deepspeed") / real - 1 for cell, real in deepspeed_real.items()}
     assert all(abs(e) <= WITHIN for e in errors.values()), errors
