@@ -44,6 +44,7 @@ from zerobridge.runtime.step_rules import (
     raw_step,
 )
 from zerobridge.runtime.window import no_gradients
+from zerobridge.spec import OffloadDevice
 
 __all__ = ["STEP_TILES", "NativeStepper"]
 
@@ -51,6 +52,14 @@ STEP_TILES = 64
 """Deferred gradients (``grad_store.py``) are cast and stepped in about this many tiles of the
 engine's shard, so their fp32 copies add about 1/64 of a gradient shard to the step's peak
 (a parameter larger than a tile is a tile alone)."""
+
+def _tiled(group: FlatGroup) -> bool:
+    """``group``'s deferred gradients are cast and stepped a tile at a time: its master is not offloaded.
+    An offloaded master (the spec's optimizer tier) takes its fp32 gradients whole, as on an accelerator,
+    where they are cast on the host at the boundary (``grad_store.py``): a CPU run, a plan's included,
+    then holds on that tier what an accelerator run holds."""
+    return group.pending and group.plan.master_at.tier is OffloadDevice.NONE
+
 
 @dataclass
 class Stash:
@@ -128,7 +137,10 @@ class NativeStepper:
             self.skipped_steps += int(self.skip)
         if self.skip:
             return True
-        grads = self._grads()  # deferred ones are cast later, a tile at a time, and owe the factors
+        for group in self.trainable:
+            if group.pending and not _tiled(group):
+                materialize_grads(group)
+        grads = self._grads()  # tiled ones are cast later, a tile at a time, and owe the factors
         self.scales = [1.0 / scale] if self.scaler.enabled else []
         scale_grads(grads, self.scales)
         return True
