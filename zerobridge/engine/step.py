@@ -12,7 +12,10 @@ accumulation boundary reached); after it they push the stepped master values
 into the compute parameters (and, replicated, all-gather them). With the
 optimizer tier on nvme the pre-hook itself steps the engine's parameters tile
 by tile (``nvme_step.py``, calling the optimizer's own step without these hooks)
-and hides their gradients, so the user's ``step()`` moves only the others.
+and hides their gradients, so the user's ``step()`` moves only the others. So it
+does, in tiles of about 1/``STEP_TILES`` of the shard, for 16-bit gradients the
+optimizer takes in fp32 (``grad_store.py``): each tile's fp32 copies are cast,
+stepped and dropped before the next, so no step holds a whole fp32 gradient copy.
 """
 
 from __future__ import annotations
@@ -213,8 +216,9 @@ class NativeStepper:
                 param.grad = grad
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> Stash:
-        """Optimizer pre-step hook: skip (hide gradients), let the step run, or run it
-        here tile by tile when the optimizer state is on nvme."""
+        """Optimizer pre-step hook: skip (hide gradients), let the step run, or run it here tile
+        by tile: for deferred 16-bit gradients (``_step_by_tiles``; the user's step then moves the
+        others), or when the optimizer state is on nvme."""
         self.optimizers.add(optimizer)
         depth = self.depth.get(id(optimizer), 0)
         self.depth[id(optimizer)] = depth + 1
