@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from zerobridge.backends.preflight import formula_stage, preflight
 from zerobridge.compare.worker import RankRecord
 from zerobridge.errors import ConfigError
-from zerobridge.harness.cluster import Cluster
+from zerobridge.harness.cluster import PRELOAD, Cluster
 from zerobridge.load import load_spec_for_world
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
@@ -231,7 +231,8 @@ def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, se
                                   "backend": run.backend, "steps": steps, "seed": seed, "clip": clip,
                                   "allow_approximate": allow_approximate, "accumulation": run.accumulation}
         try:
-            with Cluster(world_size, timeout_s=timeout_s, backend=group, env=worker_env()) as cluster:
+            with Cluster(world_size, timeout_s=timeout_s, backend=group, env=worker_env(),
+                         preload=(*PRELOAD, "zerobridge.compare.worker")) as cluster:
                 records = cluster.run("zerobridge.compare.worker:train", **kwargs)
             outcome = _merge(run, [r for r in records if isinstance(r, RankRecord)], world_size)
         except Exception as exc:  # a failed run is a result: report it, go on with the others

@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 
 from zerobridge.harness.zygote import Worker, forking, start_module
 
-__all__ = ["Cluster", "RankError", "clusters"]
+__all__ = ["PRELOAD", "Cluster", "RankError", "clusters"]
 
 _READY = -1  # task id of the start-up report each worker sends after init
 _STARTUP_MIN_S = 60.0  # importing torch in a fresh process can be slow
@@ -88,11 +88,16 @@ def _resolve(target: str) -> Callable[..., object]:
     return obj
 
 
-def _start(env: dict[str, str]) -> Worker:
-    """One worker program with ``env``: forked from a zygote that has imported torch (``zygote``), or a
-    fresh interpreter where forking is off."""
+PRELOAD = ("torch.distributed.tensor", "torch.distributed.fsdp")
+"""What a forked worker finds imported besides torch: the DTensor and FSDP modules (2-4 s of import on a
+busy 2-core machine) that every engine of zerobridge's loads."""
+
+
+def _start(env: dict[str, str], preload: tuple[str, ...]) -> Worker:
+    """One worker program with ``env``: forked from a zygote that has imported torch and ``preload``
+    (``zygote``), or a fresh interpreter where forking is off."""
     if forking():
-        return start_module("zerobridge.harness.cluster", env)
+        return start_module("zerobridge.harness.cluster", env, preload)
     proc = subprocess.Popen([sys.executable, "-m", "zerobridge.harness.cluster"], env=env)
     return Worker(proc.pid, proc=proc)
 
@@ -165,12 +170,15 @@ class Cluster:
     passed to ``init_process_group``; without it a worker uses "nccl" when
     ``ZEROBRIDGE_TEST_DEVICE=cuda`` and CUDA is available, else "gloo".
     ``env`` is added to each worker's environment (the launcher variables
-    above take precedence).
+    above take precedence). ``preload`` names modules a forked worker finds
+    already imported (default ``PRELOAD``): a caller that runs the same target
+    in many groups names that target's module, which must not read the
+    environment as it is imported.
     """
 
     def __init__(self, world_size: int, *, timeout_s: float = 120.0, group_timeout_s: float | None = None,
                  backend: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, preload: tuple[str, ...] = PRELOAD) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if timeout_s <= 0:
@@ -180,6 +188,7 @@ class Cluster:
         self.group_timeout_s = float(group_timeout_s if group_timeout_s is not None else timeout_s)
         self.backend = backend
         self.env = dict(env or {})
+        self.preload = preload
         self._procs: list[Worker] = []
         self._conns: dict[int, Connection] = {}
         self._listener: Listener | None = None
@@ -207,7 +216,7 @@ class Cluster:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
                    "LOCAL_WORLD_SIZE": str(self.world_size)}
-            self._procs.append(_start(env))
+            self._procs.append(_start(env, self.preload))
         try:
             self._collect(_READY, max(self.timeout_s, _STARTUP_MIN_S), "start-up", accepted)
         except BaseException:

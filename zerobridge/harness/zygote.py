@@ -11,7 +11,7 @@ Every ``Cluster`` start used to pay a fresh interpreter importing torch on
 each rank: 3 to 5 s of both cores on a 2-core machine, for every comparison
 run and every test module that starts a group. A *zygote* is one long-lived
 program (``python -m zerobridge.harness.zygote``) that imports ``torch`` and
-``torch.distributed`` once and then waits; each worker is a ``fork`` of it
+``torch.distributed`` (and any modules its requester names) once and then waits; each worker is a ``fork`` of it
 that runs its module as ``python -m MODULE`` would (``runpy``, as ``__main__``).
 
 What a worker gets is what ``subprocess.Popen`` of ``python -m MODULE`` gave it:
@@ -38,6 +38,7 @@ interpreter instead (``Cluster`` does).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -108,11 +109,11 @@ class Worker:
 class _Zygote:
     """The requester's side of one zygote: spawn requests and the exit codes it reports."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
-        self._proc = subprocess.Popen([sys.executable, "-m", "zerobridge.harness.zygote", str(theirs.fileno())],
-                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        self._proc = subprocess.Popen([sys.executable, "-m", "zerobridge.harness.zygote", str(theirs.fileno()),
+                                       *preload], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self._lock = threading.Lock()
         self._exits: dict[int, int] = {}
@@ -172,18 +173,19 @@ _zygotes: dict[tuple[str, ...], _Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
-def _key(env: dict[str, str]) -> tuple[str, ...]:
-    return tuple(sorted(f"{k}={v}" for k, v in env.items() if k.startswith(_IMPORT_TIME)))
+def _key(env: dict[str, str], preload: tuple[str, ...]) -> tuple[str, ...]:
+    return (*preload, "", *sorted(f"{k}={v}" for k, v in env.items() if k.startswith(_IMPORT_TIME)))
 
 
-def start_module(module: str, env: dict[str, str]) -> Worker:
+def start_module(module: str, env: dict[str, str], preload: tuple[str, ...] = ()) -> Worker:
     """``python -m module`` with ``env``, forked from a zygote whose import-time environment matches
-    ``env`` (started on first use). Only where ``forking()``."""
-    key = _key(env)
+    ``env`` and that imported ``torch``, ``torch.distributed`` and the modules ``preload`` names (started on
+    first use; a module that fails to import there is left for the worker to import). Only where ``forking()``."""
+    key = _key(env, preload)
     with _zygotes_lock:
         zygote = _zygotes.get(key)
         if zygote is None or not zygote.alive():
-            zygote = _zygotes[key] = _Zygote(env)
+            zygote = _zygotes[key] = _Zygote(env, preload)
     return Worker(zygote.spawn(module, env), zygote)
 
 
@@ -240,13 +242,17 @@ def _become_worker(sock: socket.socket, fds: list[int], request: dict[str, Any])
         os._exit(code)
 
 
-def _zygote_main(fd: int) -> None:
+def _zygote_main(fd: int, preload: list[str]) -> None:
     import torch  # lazy: the zygote's whole point, what every worker would import first, done once
     import torch.distributed  # noqa: F401
+
+    for name in preload:
+        with suppress(Exception):  # the worker imports it again and meets the error where it is reported
+            importlib.import_module(name)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is for the requester
     _serve(socket.socket(fileno=fd))
 
 
 if __name__ == "__main__":
-    _zygote_main(int(sys.argv[1]))
+    _zygote_main(int(sys.argv[1]), sys.argv[2:])
