@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import zerobridge
+from zerobridge.models import preset_named, tiny_gpt
 from zerobridge.planning.candidates import with_checkpointing
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.tracker import StorageTracker
@@ -64,7 +65,9 @@ def _measured(tracker: StorageTracker) -> dict[str, int]:
 
 
 def _build(source: ModelSource, recompute: bool) -> nn.Module:
-    model = source.builder(None)  # real values, on the CPU
+    preset = preset_named(source.name, key="model")
+    # real values, on the CPU (the planner's source builds zerobridge's GPT on meta)
+    model = tiny_gpt(preset, seed=0) if preset is not None else source.builder(None)
     if recompute and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()  # type: ignore[operator]
     elif recompute:  # zerobridge's GPT: each unit the plan's +ac candidates recompute, as the engines do
