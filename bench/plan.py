@@ -4,6 +4,7 @@ and how long it takes at 70B and 405B.
     python bench/plan.py                  # everything: about 25 min on 2 CPU cores; bench/results/plan.json
     python bench/plan.py --quick          # 20M GPT and tiny Llama at world 2: about 3 min
     python bench/plan.py --render         # rewrite docs/plan.md's block from the saved JSON
+    python bench/plan.py --cli-only       # time the commands a user types, start to exit (about 2 min)
 
 Accuracy: for every cell (model x world size x precision x candidate; the
 100M GPT at world 2 only, as four real ranks of it do not fit 24 GiB) the plan
@@ -18,6 +19,11 @@ the GPU figure; stages 2 and 3 only, no offload) and ``accelerate estimate-memor
 (its training figure for the dtype: no sharding, no activations) say for the
 same cell, as a signed error against the measured peak.
 
+Speed: the commands a user types (``CLI``), timed from start to exit as
+subprocesses, with the CPU seconds of the command and its workers and the load
+average before and after (the figures are wall clock: on a shared machine the
+load says how far they are from a quiet one).
+
 Scale: wall time and peak resident memory (this process and its workers) of
 the whole plan of Llama-3-70B at world 64 over 8 nodes and Llama-3-405B at
 world 128 over 16 nodes, and the error of extending a deep model from two
@@ -31,8 +37,11 @@ import datetime
 import json
 import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from backends import ROOT, machine, splice
@@ -120,12 +129,53 @@ def _peak_rss_mib() -> float:
     return (own + min(os.cpu_count() or 1, 4) * children) / 1024
 
 
+QWEN2_7M = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
+            "intermediate_size": 688, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 8192, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+            "torch_dtype": "float32"}
+"""A ~6.5M-parameter Hugging Face config the suite does not build (issue 31's "7M HF config")."""
+CLI = {"qwen2-7m": ["plan", "{qwen}", "--world-size", "2", "--device-memory", "1GiB", "--micro-batch", "2",
+                    "--seq-len", "128"],
+       "llama-3-70b": ["plan", "llama-3-70b", "--world-size", "64", "--nodes", "8", "--device-memory", "80GiB",
+                       "--micro-batch", "1", "--seq-len", "4096"]}
+"""The plans a user types, timed start to exit: every candidate of a small HF config, and issue 31's 70B plan."""
+
+
+def cli_times(checkout: str | None = None) -> dict[str, Any]:
+    """Each ``CLI`` command run as the user runs it: wall seconds, CPU seconds (it and its workers), load;
+    with zerobridge imported from ``checkout`` (a worktree of an earlier commit, also the working directory:
+    ``python -m`` workers put it first on their path) when given."""
+    exe = Path(sys.executable).with_name("zerobridge")
+    env = dict(os.environ, PYTHONPATH=checkout) if checkout else None
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder, "qwen2-7m", "config.json")
+        config.parent.mkdir()
+        config.write_text(json.dumps(QWEN2_7M))
+        for name, argv in CLI.items():
+            args = [a.replace("{qwen}", str(config)) for a in argv]
+            load, before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            done = subprocess.run([str(exe), *args], check=True, stdout=subprocess.PIPE, text=True, env=env,
+                                  cwd=checkout or folder)
+            seconds = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            shown = " ".join("qwen2-7m/config.json" if a == str(config) else a for a in args)
+            out[name] = {"command": f"zerobridge {shown}", "seconds": seconds, "cpu_seconds": cpu,
+                         "load_before": load, "load_after": os.getloadavg()[0], "cores": os.cpu_count(),
+                         "output": done.stdout}
+            print(f"{name}: {seconds:.1f} s wall, {cpu:.1f} CPU-s, load {load:.1f}", file=sys.stderr)
+    return out
+
+
 def scale() -> dict[str, Any]:
     from zerobridge.planning import plan
     from zerobridge.planning.candidates import with_checkpointing
     from zerobridge.planning.fake_run import Run, run_once
+    from zerobridge.planning.measure import SHALLOW
+    from zerobridge.planning.measure import extend as _extend
     from zerobridge.planning.models import resolve_model
-    from zerobridge.planning.planner import SHALLOW, _extend
     from zerobridge.planning.report import render
     from zerobridge.spec.presets import spec_for_stage
     from zerobridge.translate.run_level import with_run_settings
@@ -192,11 +242,23 @@ def table(data: dict[str, Any]) -> str:
     for name in ("llama-3-70b", "llama-3-405b"):
         if name in s:
             bound = s[name]["peak_rss_mib_upper_bound"]
-            lines.append(f"\n{name}: {s[name]['candidates']} candidates in {s[name]['seconds']:.1f} s; peak RSS "
-                         f"(upper bound: this process + every worker at the largest one's peak) {bound:.0f} MiB")
-    if "llama-3-70b" in s:
+            lines.append(f"\n{name}: {s[name]['candidates']} candidates; peak RSS (upper bound: this process + "
+                         f"every worker at the largest one's peak) {bound:.0f} MiB")
+    if "cli" in data:
+        base = data.get("cli_baseline", {})
+        lines += ["", "The commands a user types, start to exit (`python bench/plan.py --cli-only"
+                  + (f" --baseline <worktree of {base['commit']}>" if base else "")
+                  + f"`, {data['cli_date']}; wall clock on a shared machine: the load average is beside each):", "",
+                  "| command | code | wall | CPU (with workers) | load before / after |", "|---|---|---|---|---|"]
+        for name, c in data["cli"].items():
+            rows = [(base["commit"], base["figures"][name])] if name in base.get("figures", {}) else []
+            for code, f in [*rows, ("this", c)]:
+                lines.append(f"| `{c['command']}` | {code} | {f['seconds']:.1f} s | {f['cpu_seconds']:.1f} s | "
+                             f"{f['load_before']:.1f} / {f['load_after']:.1f} on {f['cores']} cores |")
+    shown = data.get("cli", {}).get("llama-3-70b", {}).get("output") or s.get("llama-3-70b", {}).get("table")
+    if shown:  # what the command printed when it was timed, else what the scale run's plan rendered
         lines += ["", "`zerobridge plan llama-3-70b --world-size 64 --nodes 8 --device-memory 80GiB --micro-batch 1 "
-                  "--seq-len 4096`:", "", "```", s["llama-3-70b"]["table"].rstrip(), "```", ""]
+                  "--seq-len 4096`:", "", "```", shown.rstrip(), "```", ""]
     for label, e in s.get("extension", {}).items():
         lines.append(f"{label}: extended {e['extended'] / 1e9:.2f} GB, whole {e['whole'] / 1e9:.2f} GB "
                      f"({e['error']:+.3%}); collective bytes off by at most {e['comm_error']:.1e}")
@@ -214,6 +276,10 @@ def main() -> None:
     parser.add_argument("--scale-only", action="store_true",
                         help="rerun only the 70B/405B timings and the depth check into the saved JSON (run it on "
                              "a quiet machine: the timings are wall clock)")
+    parser.add_argument("--cli-only", action="store_true",
+                        help="time only the commands a user types (CLI) into the saved JSON and the docs")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="with --cli-only: time the same commands first on a worktree of an earlier commit")
     args = parser.parse_args()
     if args.render:
         data = json.loads(RESULTS.read_text())
@@ -221,6 +287,19 @@ def main() -> None:
         print(table(data))
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.cli_only:
+        data = json.loads(RESULTS.read_text())
+        if args.baseline:
+            commit = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], check=True,
+                                    capture_output=True, text=True).stdout.strip()
+            data["cli_baseline"] = {"commit": commit, "figures": cli_times(args.baseline)}
+        data["cli"], data["cli_date"] = cli_times(), datetime.date.today().isoformat()
+        tmp = RESULTS.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(RESULTS)
+        DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
+        print(table(data))
+        return
     if args.scale_only:
         data = json.loads(RESULTS.read_text())
         data["scale"] = scale()
