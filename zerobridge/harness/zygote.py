@@ -26,7 +26,8 @@ What a worker gets is what ``subprocess.Popen`` of ``python -m MODULE`` gave it:
 The zygote never runs a torch operation and never touches CUDA, so the fork
 is safe: it has one thread, and CUDA is initialised in the worker if at all.
 Variables torch may read as it is imported (``TORCH_*``, ``PYTORCH_*``,
-``CUDA_*``, ``OMP_*``, ``MKL_*``, ``KMP_*``, ``NCCL_*``, ``PYTHON*``, ``LD_*``) pick the
+``CUDA_*``, ``OMP_*``, ``MKL_*``, ``KMP_*``, ``NCCL_*``, ``PYTHON*``, ``LD_*``, and DeepSpeed's
+``DS_*`` for a zygote that preloads it) pick the
 zygote: a request whose values differ gets a zygote of its own. When its
 requester exits (the socket closes) the zygote exits, and its workers, which
 watch their parent, follow.
@@ -54,7 +55,7 @@ from typing import Any
 
 __all__ = ["Worker", "forking", "start_module"]
 
-_IMPORT_TIME = ("TORCH", "PYTORCH", "CUDA", "OMP", "MKL", "KMP", "NCCL", "PYTHON", "LD_")
+_IMPORT_TIME = ("TORCH", "PYTORCH", "CUDA", "OMP", "MKL", "KMP", "NCCL", "PYTHON", "LD_", "DS_")
 """Prefixes of the variables that pick a zygote (torch or the interpreter may read them at import)."""
 _MESSAGE = 65536
 
