@@ -88,9 +88,10 @@ def _resolve(target: str) -> Callable[..., object]:
     return obj
 
 
-PRELOAD = ("torch.distributed.tensor", "torch.distributed.fsdp")
+PRELOAD = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo")
 """What a forked worker finds imported besides torch: the DTensor and FSDP modules (2-4 s of import on a
-busy 2-core machine) that every engine of zerobridge's loads."""
+busy 2-core machine) that every engine of zerobridge's loads, and dynamo, which torch imports on the
+first random initialisation under a device context (about 1 s of a tiny run)."""
 
 
 def _start(env: dict[str, str], preload: tuple[str, ...]) -> Worker:
