@@ -203,6 +203,18 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+DEEPSPEED_PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer")
+"""DeepSpeed's modules a DeepSpeed run imports as its engine starts: about 6 s per rank at every run
+otherwise (its ZeRO optimizer check imports the Muon optimizer, whose ``torch.compile`` decorators
+import inductor)."""
+
+
+def _preload(backend: str) -> tuple[str, ...]:
+    """What a run's workers find imported when they start (``Cluster``'s ``preload``): compare's worker,
+    and DeepSpeed's engine modules for a DeepSpeed run."""
+    return (*PRELOAD, "zerobridge.compare.worker", *(DEEPSPEED_PRELOAD if backend == "deepspeed" else ()))
+
+
 def _choice(run: Planned) -> dict[str, Any]:
     """What the ranks pass to ``prepare`` besides the backend."""
     if not run.by_stage:
@@ -232,7 +244,7 @@ def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, se
                                   "allow_approximate": allow_approximate, "accumulation": run.accumulation}
         try:
             with Cluster(world_size, timeout_s=timeout_s, backend=group, env=worker_env(),
-                         preload=(*PRELOAD, "zerobridge.compare.worker")) as cluster:
+                         preload=_preload(run.backend)) as cluster:
                 records = cluster.run("zerobridge.compare.worker:train", **kwargs)
             outcome = _merge(run, [r for r in records if isinstance(r, RankRecord)], world_size)
         except Exception as exc:  # a failed run is a result: report it, go on with the others
