@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from zerobridge.compare.peaks import PlannedPeak
+from zerobridge.compare.plan_memory import planned_peaks
 from zerobridge.compare.report import Comparison, compute_dtype, relative, run_kind
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
 from zerobridge.compare.tolerance import FACTOR, LOSS_FLOOR, NORM_FLOOR, Tolerance, calibrated
@@ -79,17 +81,22 @@ class Plan:
     seed: int
     exact_only: bool
     """Skip what a backend can only approximate (else run its closest form, marked)."""
+    planned_peaks: tuple[PlannedPeak, ...] = ()
+    """Per run, the plan's peak (``plan_memory``); empty: the runs do not count their peaks."""
 
 
 def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] = (),
          backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
          global_batch: int | None = None, seq_len: int | None = None, tolerance: float | None = None,
-         norm_tolerance: float | None = None, seed: int = 0, exact_only: bool = False, compile: bool = False) -> Plan:
+         norm_tolerance: float | None = None, seed: int = 0, exact_only: bool = False, compile: bool = False,
+         plan_memory: bool = False) -> Plan:
     """Check the inputs, build the workload once (in this process) and plan the runs. What a
     backend can only approximate runs in its closest form (``Planned.approximations``)
     unless ``exact_only``, which skips it. ``compile``: every run under ``torch.compile``.
     ``tolerance`` / ``norm_tolerance``: fixed relative bounds for every run; ``None``: 1e-5 and
-    1e-4 for fp32 runs, and for bf16/fp16 runs bounds calibrated after them (``tolerance.py``)."""
+    1e-4 for fp32 runs, and for bf16/fp16 runs bounds calibrated after them (``tolerance.py``).
+    ``plan_memory``: plan each run's peak on its backend's flavor now (``compare.plan_memory``) and have
+    the runs count theirs the same way."""
     chosen_stages = list(STAGES if stages is None and not configs else stages or [])
     _check(chosen_stages, list(backends), nproc, steps, tolerance, norm_tolerance)
     work = resolve_model(model, global_batch=global_batch, seq_len=seq_len)(seed)
@@ -115,7 +122,9 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
                             norm_tolerance=NORM_FLOOR if norm_tolerance is None else norm_tolerance,
                             model=model, params=params, world_size=nproc, steps=steps, compiled=compile,
                             derived=(tolerance is None, norm_tolerance is None))
-    return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, exact_only)
+    peaks = planned_peaks(runs, model=model, rows=rows, seq_len=work.batch(0)[0].shape[-1], world_size=nproc,
+                          optimizer=kind) if plan_memory else []
+    return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, exact_only, tuple(peaks))
 
 
 def _formulas(outcome: RunOutcome, params: int, optimizer: OptimizerKind | None) -> None:
@@ -133,16 +142,19 @@ def compare(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path
             backends: Sequence[str] = BACKENDS, nproc: int = 2, steps: int = 20, model: str = BUILTIN,
             global_batch: int | None = None, seq_len: int | None = None, tolerance: float | None = None,
             norm_tolerance: float | None = None, clip: float | None = 1.0, seed: int = 0, exact_only: bool = False,
-            compile: bool = False, timeout_s: float = 900.0,
+            compile: bool = False, timeout_s: float = 900.0, plan_memory: bool = False,
             progress: Callable[[int, int, RunOutcome], None] | None = None) -> Comparison:
     """Train ``model`` for ``steps`` steps on every stage (default 0-3 when no ``configs``) and
     config, on every backend, each in a fresh group of ``nproc`` processes; compare the runs.
 
-    ``progress(index, total, outcome)`` is called after each run.
+    ``progress(index, total, outcome)`` is called after each run. ``plan_memory``: each run also
+    reports the peak ``zerobridge plan`` gives its spec and its own, counted the same way
+    (``RunOutcome.planned_peak``, ``RunOutcome.peak_bytes``).
     """
     planned = plan(stages=stages, configs=configs, backends=backends, nproc=nproc, steps=steps, model=model,
                    global_batch=global_batch, seq_len=seq_len, tolerance=tolerance,
-                   norm_tolerance=norm_tolerance, seed=seed, exact_only=exact_only, compile=compile)
+                   norm_tolerance=norm_tolerance, seed=seed, exact_only=exact_only, compile=compile,
+                   plan_memory=plan_memory)
     return run_plan(planned, clip=clip, timeout_s=timeout_s, progress=progress)
 
 
@@ -153,13 +165,15 @@ def run_plan(planned: Plan, *, clip: float | None = 1.0, timeout_s: float = 900.
 
     def report(index: int, outcome: RunOutcome) -> None:
         _formulas(outcome, comparison.params, planned.optimizer)
+        if planned.planned_peaks:
+            outcome.planned_peak = planned.planned_peaks[index]
         if progress is not None:
             progress(index, len(planned.runs), outcome)
 
     comparison.runs = execute(planned.runs, model=planned.model, global_batch=planned.global_batch,
                               seq_len=planned.seq_len, world_size=comparison.world_size, steps=comparison.steps,
                               seed=planned.seed, clip=clip, allow_approximate=not planned.exact_only,
-                              timeout_s=timeout_s, progress=report)
+                              timeout_s=timeout_s, track_peaks=bool(planned.planned_peaks), progress=report)
     if any(comparison.derived):
         _calibrate(planned, comparison, clip=clip, timeout_s=timeout_s)
     return comparison

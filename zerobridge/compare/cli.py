@@ -66,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="skip what a backend can only approximate (by default its closest form runs, marked ~)")
     c.add_argument("--compile", action="store_true",
                    help="run every pair under torch.compile (each spec's compile section: backend, mode, scope)")
+    c.add_argument("--plan-memory", action="store_true",
+                   help="also plan each run's peak with zerobridge plan (on the backend's flavor) and count the "
+                        "run's own peak the same way: planned, measured and error per run (slower)")
     c.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
     c.add_argument("--json", type=Path, metavar="FILE", help="write the JSON report here ('-': stdout)")
     c.add_argument("--markdown", type=Path, metavar="FILE", help="write a Markdown report (CI job summary)")
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     planned = plan(stages=args.stages, configs=args.config, backends=args.backends, nproc=args.nproc,
                    steps=args.steps, model=args.model, global_batch=args.global_batch, seq_len=args.seq_len,
                    tolerance=args.tolerance, norm_tolerance=args.norm_tolerance, seed=args.seed,
-                   exact_only=args.exact_only, compile=args.compile)
+                   exact_only=args.exact_only, compile=args.compile, plan_memory=args.plan_memory)
     for skipped in planned.comparison.skipped:
         print(f"skip {skipped.backend}/{skipped.label}: {skipped.reason}", file=sys.stderr)
     print(f"zerobridge compare: {len(planned.runs)} run(s) of {args.steps} steps on {args.nproc} process(es)",

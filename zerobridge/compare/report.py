@@ -21,9 +21,11 @@ was compared for it), and ``zerobridge compare`` exits 1 or 3 for them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerobridge.compare import plan_memory
 from zerobridge.compare.runner import RunOutcome, Skipped
 from zerobridge.compare.tolerance import Tolerance
 from zerobridge.explain import format_bytes
@@ -251,7 +253,7 @@ class Comparison:
             "approximations": [*run.planned.approximations], "formula_stage": run.planned.formula_stage,
             "diverged_at": None if diverged is None else {"step": diverged.step, "metric": diverged.metric,
                                                           "deviation": _finite(diverged.deviation)},
-            "error": run.error, "wall_s": round(run.wall_s, 3),
+            "error": run.error, "wall_s": round(run.wall_s, 3), **plan_memory.peak_json(run),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -332,11 +334,16 @@ class Comparison:
                              f"backend's closest form, judged like the others{against} (--exact-only skips it)")
         return lines
 
+    def _peaks(self, table: Callable[[list[str], list[list[str]]], str]) -> list[str]:
+        rows = plan_memory.peak_rows(self.runs)
+        return ["", "peak live tensor bytes per rank over the steps, planned (zerobridge plan) vs measured:",
+                table(plan_memory.HEAD, rows)] if rows else []
+
     def render(self) -> str:
         """The terminal report: runs, skipped pairs, per-step agreement, verdict."""
         out = [f"{self.model}: {self.params:,} parameters, world {self.world_size}, {self.steps} steps"
                + (", compiled" if self.compiled else ""), "",
-               _table(self._HEAD, self._rows()), *self.approximated()]
+               _table(self._HEAD, self._rows()), *self.approximated(), *self._peaks(_table)]
         out += [f"skipped {s.backend}/{s.label}: {s.reason}" for s in self.skipped]
         if len(self.runs) > 1 and self.reference is not None:
             out += ["", f"per step, against {self.reference.planned.name}:",
@@ -352,7 +359,7 @@ class Comparison:
                + ("compiled, " if self.compiled else "") +
                f"judged against `{self.reference.planned.name if self.reference else '-'}`: "
                + "; ".join(self.tolerance_lines()),
-               "", _markdown_table(self._HEAD, self._rows()), ""]
+               "", _markdown_table(self._HEAD, self._rows()), "", *self._peaks(_markdown_table)]
         if self.approximated():
             out += [f"- {line.removeprefix('~ ')}" for line in self.approximated()] + [""]
         if self.skipped:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zerobridge.backends.preflight import formula_stage, preflight
+from zerobridge.compare.peaks import PlannedPeak, TrackedRecord
 from zerobridge.compare.worker import RankRecord
 from zerobridge.errors import ConfigError
 from zerobridge.harness.cluster import PRELOAD, Cluster
@@ -109,6 +110,11 @@ class RunOutcome:
     """Why the run failed (None when it finished)."""
     wall_s: float = 0.0
     """Seconds from starting the processes to the last result."""
+    peak_bytes: list[int] = field(default_factory=list)
+    """Per rank: peak live tensor bytes over the training steps, counted as the plan counts them
+    (``--plan-memory`` only; ``compare.peaks``)."""
+    planned_peak: PlannedPeak | None = None
+    """What ``zerobridge plan`` says the run peaks at (``--plan-memory`` only; ``compare.plan_memory``)."""
 
     @property
     def step_time_s(self) -> float:
@@ -224,9 +230,10 @@ def _choice(run: Planned) -> dict[str, Any]:
 
 def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, seq_len: int | None,
             world_size: int, steps: int, seed: int = 0, clip: float | None = 1.0,
-            allow_approximate: bool = False, timeout_s: float = 900.0,
+            allow_approximate: bool = False, timeout_s: float = 900.0, track_peaks: bool = False,
             progress: Callable[[int, RunOutcome], None] | None = None) -> list[RunOutcome]:
-    """Run each planned pair in a fresh process group of ``world_size`` ranks."""
+    """Run each planned pair in a fresh process group of ``world_size`` ranks. ``track_peaks``: each
+    rank also counts its peak live tensor bytes (``compare.peaks``, into ``RunOutcome.peak_bytes``)."""
     import time
 
     import torch
@@ -245,8 +252,12 @@ def execute(runs: Sequence[Planned], *, model: str, global_batch: int | None, se
         try:
             with Cluster(world_size, timeout_s=timeout_s, backend=group, env=worker_env(),
                          preload=_preload(run.backend)) as cluster:
-                records = cluster.run("zerobridge.compare.worker:train", **kwargs)
-            outcome = _merge(run, [r for r in records if isinstance(r, RankRecord)], world_size)
+                records = cluster.run("zerobridge.compare.peaks:train" if track_peaks
+                                      else "zerobridge.compare.worker:train", **kwargs)
+            tracked = [r for r in records if isinstance(r, TrackedRecord)]
+            outcome = _merge(run, [r.record if isinstance(r, TrackedRecord) else r for r in records
+                                   if isinstance(r, (RankRecord, TrackedRecord))], world_size)
+            outcome.peak_bytes = [r.peak_bytes for r in tracked]
         except Exception as exc:  # a failed run is a result: report it, go on with the others
             outcome = RunOutcome(planned=run, world_size=world_size,
                                  error=f"{_last_error(exc)} (output: {log}.rank*.log)")

@@ -1,0 +1,116 @@
+"""``compare --plan-memory``: what ``zerobridge plan`` says each run peaks at, beside what the run measured.
+
+    >>> from zerobridge.compare.plan_memory import FLAVOR_OF
+    >>> FLAVOR_OF
+    {'native': 'native', 'fsdp': 'fsdp2', 'deepspeed': 'deepspeed'}
+
+Before the runs, each run's spec is planned on its backend's flavor
+(``zerobridge.planning.flavors.measure_flavor``: the native engine or the FSDP2
+backend trained two steps on fake tensors, DeepSpeed's buffer model) for the
+same model, world size, per-rank micro-batch, sequence length, accumulation and
+optimizer state; the runs then count their own peaks the same way
+(``compare.peaks``). One definition for both: the highest live tensor-storage
+bytes on one rank (every device summed, each storage once however many views
+it has) over the training steps, what the plan reports as a candidate's peak.
+
+What the plan's run differs in from compare's: it steps AdamW (or SGD with
+momentum) in one parameter group where compare's built-in workload has two,
+reads one token tensor as inputs and labels where compare's batches are an
+``(inputs, targets)`` pair, and does not clip; none of these holds a tensor
+the size of a parameter. A run the plan cannot model gets a note in place of
+the number: a ``--model`` factory (its own data, loss and optimizer), an
+optimizer other than Adam/AdamW or SGD with momentum, a compiled run, a
+layout the flavor refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zerobridge.compare.peaks import PlannedPeak
+from zerobridge.compare.runner import Planned, RunOutcome
+from zerobridge.errors import ConfigError
+from zerobridge.explain import format_bytes
+from zerobridge.models import preset_named
+from zerobridge.planning.fake_run import Run
+from zerobridge.planning.flavors import measure_flavor
+from zerobridge.planning.models import ModelSource, resolve_model
+from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import spec_for_stage
+
+__all__ = ["FLAVOR_OF", "HEAD", "measured_peak", "peak_json", "peak_rows", "planned_peaks"]
+
+FLAVOR_OF = {"native": "native", "fsdp": "fsdp2", "deepspeed": "deepspeed"}
+"""compare's backend -> the plan's flavor that models it."""
+
+HEAD = ["run", "plan flavor", "planned peak", "measured peak", "error", "note"]
+
+
+def _not_modelled(flavor: str, why: str) -> PlannedPeak:
+    return PlannedPeak(flavor, None, f"not modelled: {why}")
+
+
+def planned_peaks(runs: Sequence[Planned], *, model: str, rows: int, seq_len: int, world_size: int,
+                  optimizer: str | None) -> list[PlannedPeak]:
+    """Per run: the plan's peak for its spec on its backend's flavor. ``rows``: one rank's rows per
+    step (split into ``Planned.accumulation`` micro-batches); ``optimizer``: ``adam`` or ``sgd``
+    (``compare.api``'s kind), None for another optimizer."""
+    preset = preset_named(model, key="--model")
+    source = resolve_model(model) if preset is not None else None
+    out: list[PlannedPeak] = []
+    for run in runs:
+        flavor = FLAVOR_OF.get(run.backend, run.backend)
+        if source is None:
+            out.append(_not_modelled(flavor, f"--model {model} is a factory with its own data, loss and optimizer; "
+                                             "the plan builds the built-in GPT presets"))
+        elif optimizer is None:
+            out.append(_not_modelled(flavor, "the plan steps Adam/AdamW or SGD with momentum"))
+        elif run.spec.compile.enabled:
+            out.append(_not_modelled(flavor, "the plan measures eager runs, not torch.compile"))
+        else:
+            spec = spec_for_stage(run.stage, source.build()) if run.by_stage else run.spec
+            shape = Run(world_size=world_size, nodes=1, micro_batch=rows // run.accumulation, seq_len=seq_len,
+                        accumulation=run.accumulation, optimizer="sgd" if optimizer == "sgd" else "adamw")
+            out.append(_planned(source, spec, shape, flavor))
+    return out
+
+
+def _planned(source: ModelSource, spec: StrategySpec, shape: Run, flavor: str) -> PlannedPeak:
+    try:
+        found = measure_flavor(source, spec, shape, True, flavor)
+    except ConfigError as exc:
+        return _not_modelled(flavor, exc.message)
+    if found.measured is None:
+        return _not_modelled(flavor, found.refused or "the flavor refuses this layout")
+    peaks = [v for k, v in found.measured.peaks.items() if k != "setup"]
+    note = ("closest form: " + "; ".join(found.approximation)) if found.approximation else None
+    return PlannedPeak(flavor, max(peaks, default=0), note)
+
+
+def measured_peak(run: RunOutcome) -> int | None:
+    """The largest rank's peak over the training steps (``--plan-memory`` runs only)."""
+    return max(run.peak_bytes) if run.peak_bytes else None
+
+
+def peak_json(run: RunOutcome) -> dict[str, object]:
+    """``plan_flavor``, ``planned_peak_bytes``, ``measured_peak_bytes`` (largest rank), ``peak_bytes_per_rank``,
+    ``peak_error`` ((planned - measured) / measured) and ``plan_note``: all null without ``--plan-memory``."""
+    plan, measured = run.planned_peak, measured_peak(run)
+    return {"plan_flavor": plan.flavor if plan else None, "planned_peak_bytes": plan.bytes if plan else None,
+            "measured_peak_bytes": measured, "peak_bytes_per_rank": list(run.peak_bytes),
+            "peak_error": plan.error(measured) if plan else None, "plan_note": plan.note if plan else None}
+
+
+def peak_rows(runs: Sequence[RunOutcome]) -> list[list[str]]:
+    """One table row per run that was planned (``HEAD``)."""
+    rows = []
+    for run in runs:
+        plan = run.planned_peak
+        if plan is None:
+            continue
+        measured = measured_peak(run)
+        error = plan.error(measured)
+        rows.append([run.planned.name, plan.flavor, "-" if plan.bytes is None else format_bytes(plan.bytes),
+                     "failed" if run.error else "-" if measured is None else format_bytes(measured),
+                     "-" if error is None else f"{error:+.1%}", plan.note or ""])
+    return rows
