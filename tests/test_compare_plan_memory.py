@@ -52,3 +52,16 @@ def test_without_the_flag_nothing_is_planned_and_the_json_fields_are_null() -> N
     assert set(fields) == {"plan_flavor", "planned_peak_bytes", "measured_peak_bytes", "peak_bytes_per_rank",
                            "peak_error", "plan_note"}
     assert fields["peak_error"] is None and fields["peak_bytes_per_rank"] == []
+
+
+def test_a_fake_run_that_fails_is_a_note_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerobridge.compare import plan_memory
+
+    def fails(*args: object) -> None:
+        raise RuntimeError("aten._local_scalar_dense.default\nmore")
+
+    monkeypatch.setattr(plan_memory, "measure_flavor", fails)
+    (peak,) = plan(stages=[3], backends=["fsdp"], steps=1, plan_memory=True).planned_peaks
+    assert peak.bytes is None and peak.flavor == "fsdp2"
+    assert peak.note == ("not modelled: the plan's fsdp2 fake run fails on this spec (RuntimeError: "
+                         "aten._local_scalar_dense.default); plan it with zerobridge plan to see the whole error")

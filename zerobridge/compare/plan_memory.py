@@ -80,6 +80,10 @@ def _planned(source: ModelSource, spec: StrategySpec, shape: Run, flavor: str) -
         found = measure_flavor(source, spec, shape, True, flavor)
     except ConfigError as exc:
         return _not_modelled(flavor, exc.message)
+    except Exception as exc:  # the plan cannot run this spec on fake tensors: a cell of the report, not a crash
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return _not_modelled(flavor, f"the plan's {flavor} fake run fails on this spec ({type(exc).__name__}: "
+                                     f"{first}); plan it with zerobridge plan to see the whole error")
     if found.measured is None:
         return _not_modelled(flavor, found.refused or "the flavor refuses this layout")
     peaks = [v for k, v in found.measured.peaks.items() if k != "setup"]
