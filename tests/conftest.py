@@ -9,7 +9,11 @@ from typing import Any
 import pytest
 import yaml
 
+from zerobridge.backends.deepspeed.extensions import same_ninja
+
 REPO = Path(__file__).resolve().parents[1]
+
+same_ninja()  # every process the suite starts builds DeepSpeed's ops with one ninja (extensions.py says why)
 
 
 def corpus_dir() -> Path | None:

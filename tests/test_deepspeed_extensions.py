@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zerobridge.backends.deepspeed.extensions import LIVE_S, default_dir, extensions_dir
+from zerobridge.backends.deepspeed.extensions import LIVE_S, default_dir, extensions_dir, same_ninja
 
 
 def _lock(folder: Path, op: str, age_s: float) -> Path:
@@ -48,3 +48,21 @@ def test_a_stale_lock_is_removed_with_a_warning_and_a_live_one_kept(tmp_path: Pa
     err = capsys.readouterr().err
     assert f"zerobridge: warning: removed {stale}: a stale DeepSpeed build lock" in err
     assert str(young) not in err and str(building) not in err
+
+
+def test_every_process_of_an_environment_builds_with_its_own_ninja(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ninja versions hash build commands differently and rebuild each other's objects: the
+    interpreter's folder goes first on PATH when it holds one, once, and nowhere else."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    env = {"PATH": os.pathsep.join(["/usr/local/bin", "/usr/bin", str(venv)])}
+    assert not same_ninja(env) and env["PATH"].startswith("/usr/local/bin")  # no ninja in the venv: untouched
+    (venv / "ninja").touch()
+    assert same_ninja(env)
+    assert env["PATH"].split(os.pathsep) == [str(venv), "/usr/local/bin", "/usr/bin"]
+    assert not same_ninja(env)  # already first
+    env = {"PATH": "/usr/bin", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    extensions_dir(env)
+    assert env["PATH"].split(os.pathsep) == [str(venv), "/usr/bin"]

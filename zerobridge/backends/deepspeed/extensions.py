@@ -8,6 +8,17 @@ first DeepSpeed run pays the build again (minutes on 2 CPU cores). Unset,
 (``$XDG_CACHE_HOME`` when set): one folder per user and torch version, built
 once.
 
+Every build in a folder must use one ninja. A virtual environment holds its
+own (``pip install deepspeed`` pulls the ``ninja`` package, 1.13 today) beside
+the system's (1.11 on Debian 12), and a process finds whichever comes first on
+``PATH``: ``.venv/bin/python train.py`` the system's, an activated environment
+or a ``torchrun`` from it the environment's. The two versions hash the build
+commands differently, so each sees the other's objects as built by another
+command and rebuilds every op (a minute or more each on 2 cores), at every
+switch. ``extensions_dir`` puts the interpreter's own folder first on ``PATH``
+when it holds a ``ninja``, so every process of one environment builds with the
+same one (``same_ninja``).
+
 A build holds ``<dir>/<op>/lock`` while ninja runs in ``<dir>/<op>``; an
 interrupted build (Ctrl-C, a timeout) leaves the file behind and every later
 DeepSpeed start waits on it forever, printing nothing. ``stale_locks`` finds
@@ -32,7 +43,7 @@ import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
-__all__ = ["LIVE_S", "default_dir", "extensions_dir", "stale_locks"]
+__all__ = ["LIVE_S", "default_dir", "extensions_dir", "same_ninja", "stale_locks"]
 
 LIVE_S = 120.0
 """A lock younger than this may belong to a build that has not started ninja yet: never stale."""
@@ -76,9 +87,24 @@ def stale_locks(folder: Path) -> list[Path]:
             if not any(b == lock.parent or lock.parent in b.parents for b in busy)]
 
 
+def same_ninja(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Put this interpreter's folder first on ``environ``'s ``PATH`` when it holds a ``ninja`` (see the
+    module docstring); whether ``PATH`` changed."""
+    here = str(Path(sys.executable).parent)
+    if not (Path(here) / "ninja").exists():
+        return False
+    parts = environ.get("PATH", "").split(os.pathsep)
+    if parts[:1] == [here]:
+        return False
+    environ["PATH"] = os.pathsep.join([here, *(p for p in parts if p and p != here)])
+    return True
+
+
 def extensions_dir(environ: MutableMapping[str, str] = os.environ) -> Path:
-    """Set ``TORCH_EXTENSIONS_DIR`` in ``environ`` when unset (``default_dir``) and remove its stale build
-    locks, each with a warning on stderr; the folder. Call it before DeepSpeed is imported."""
+    """Set ``TORCH_EXTENSIONS_DIR`` in ``environ`` when unset (``default_dir``), put this environment's ninja
+    first on ``PATH`` (``same_ninja``) and remove the folder's stale build locks, each with a warning on
+    stderr; the folder. Call it before DeepSpeed is imported."""
+    same_ninja(environ)
     if not environ.get("TORCH_EXTENSIONS_DIR"):
         environ["TORCH_EXTENSIONS_DIR"] = str(default_dir())
     folder = Path(environ["TORCH_EXTENSIONS_DIR"])
