@@ -19,8 +19,11 @@ its counters those of DeepSpeed's own resume (which restores ``global_steps`` an
 Real DeepSpeed builds FusedAdam (its CPU C++ op, JIT-built into ``$TORCH_EXTENSIONS_DIR`` once) for the Adam and
 AdamW sections: zerobridge's torch Adam/AdamW agree with it to float32 rounding (~1e-7 relative on the losses).
 
-Cost: seven launches of ~10-17 s on 2 CPU cores (``Launches`` caches each for the module); the unit tests at the
-end need no process group.
+Each launch is ``main(argv)`` of the script on every rank of a fresh 2-process group (``Cluster``, which sets the
+variables torchrun sets; its workers are forked with torch, and DeepSpeed where the launch imports it, already
+imported), not a torchrun of the script: the script is the client here, the launcher is not (``tests/test_faults.py``
+launches with torchrun). Cost: seven launches of ~2-5 s on 2 CPU cores (``Launches`` caches each for the module);
+the unit tests at the end need no process group.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from argparse import Namespace
@@ -41,9 +43,11 @@ from conftest import REPO
 from torch import nn
 
 import zerobridge.deepspeed as zb_deepspeed
+from zerobridge.compare.runner import DEEPSPEED_PRELOAD
 from zerobridge.deepspeed import REFUSED, DeepSpeedEngine
 from zerobridge.deepspeed.config import read_config
 from zerobridge.errors import ConfigError
+from zerobridge.harness.cluster import PRELOAD, Cluster, RankError
 from zerobridge.testing.deepspeed_script import CLIENT_STATE
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -86,12 +90,6 @@ RESUMES = (("native", "fsdp"), ("fsdp", "native"))
 """(saved on, resumed on)."""
 BACKEND_CLASS = {"native": "NativeBackend", "fsdp": "FsdpBackend", "deepspeed": "DeepSpeedBackend"}
 REAL_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _errors(log: str) -> str:
@@ -147,16 +145,18 @@ class Launches:
         return self.cache[key]
 
     def _launch(self, name: str, env: dict[str, str], flags: list[str], out: Path) -> dict[str, Any]:
-        for attempt in (1, 2):  # the port picked here may be taken before torchrun binds it
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                   "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                   "-m", "zerobridge.testing.deepspeed_script", *flags]
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-            if proc.returncode == 0 or attempt == 2 or "address already in use" not in proc.stderr.lower():
-                break
-        (self.root / f"{name}.stdout.log").write_text(proc.stdout, encoding="utf-8")
-        (self.root / f"{name}.stderr.log").write_text(proc.stderr, encoding="utf-8")
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed (logs in {self.root}):\n{_errors(proc.stderr)}"
+        """The script's ``main(flags)`` on every rank of a fresh 2-process group (``Cluster``: torchrun's
+        variables, workers forked with torch, and DeepSpeed where the launch imports it, already loaded)."""
+        real = "--flavor" in flags and flags[flags.index("--flavor") + 1] == "real"
+        preload = (*PRELOAD, *(DEEPSPEED_PRELOAD if real or env.get("ZEROBRIDGE_BACKEND") == "deepspeed" else ()))
+        extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        gone = [k for k in ("ZEROBRIDGE_BACKEND", "ZEROBRIDGE_ALLOW_APPROXIMATE") if k in os.environ and k not in env]
+        assert not gone, f"unset {gone} before the module runs: a launch's workers inherit this environment"
+        try:
+            with Cluster(WORLD, timeout_s=LAUNCH_TIMEOUT_S, env=extra, preload=preload) as cluster:
+                cluster.run("zerobridge.testing.deepspeed_script:main", argv=flags)
+        except RankError as exc:
+            raise AssertionError(f"deepspeed_script {' '.join(flags)} failed:\n{_errors(str(exc))}") from None
         record: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
         assert record["world_size"] == WORLD and sorted(record["runs"]) == sorted(CONFIGS)
         return record
