@@ -13,7 +13,7 @@ import pytest
 
 from zerobridge.cli import main
 from zerobridge.compare import RunOutcome, plan
-from zerobridge.compare.plan_memory import peak_json
+from zerobridge.compare.peak_report import peak_json
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Literal
 
 from zerobridge.compare.peaks import PlannedPeak
-from zerobridge.compare.plan_memory import planned_peaks
 from zerobridge.compare.report import Comparison, compute_dtype, relative, run_kind
 from zerobridge.compare.runner import Planned, RunOutcome, execute, plan_runs
 from zerobridge.compare.tolerance import FACTOR, LOSS_FLOOR, NORM_FLOOR, Tolerance, calibrated
@@ -122,8 +121,12 @@ def plan(*, stages: Sequence[int] | None = None, configs: Sequence[str | Path] =
                             norm_tolerance=NORM_FLOOR if norm_tolerance is None else norm_tolerance,
                             model=model, params=params, world_size=nproc, steps=steps, compiled=compile,
                             derived=(tolerance is None, norm_tolerance is None))
-    peaks = planned_peaks(runs, model=model, rows=rows, seq_len=work.batch(0)[0].shape[-1], world_size=nproc,
-                          optimizer=kind) if plan_memory else []
+    peaks: list[PlannedPeak] = []
+    if plan_memory:
+        from zerobridge.compare.plan_memory import planned_peaks  # lazy: loads FSDP2 and the fake runs (~1 s)
+
+        peaks = planned_peaks(runs, model=model, rows=rows, seq_len=work.batch(0)[0].shape[-1], world_size=nproc,
+                              optimizer=kind)
     return Plan(comparison, runs, kind, model, global_batch, seq_len, seed, exact_only, tuple(peaks))
 
 

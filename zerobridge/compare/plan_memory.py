@@ -20,7 +20,9 @@ reads one token tensor as inputs and labels where compare's batches are an
 the size of a parameter. A run the plan cannot model gets a note in place of
 the number: a ``--model`` factory (its own data, loss and optimizer), an
 optimizer other than Adam/AdamW or SGD with momentum, a compiled run, a
-layout the flavor refuses.
+layout the flavor refuses. The report's side is ``compare.peak_report``; this
+module loads the planner's fake runs (FSDP2's among them), so ``compare.api``
+imports it only when asked.
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zerobridge.compare.peaks import PlannedPeak
-from zerobridge.compare.runner import Planned, RunOutcome
+from zerobridge.compare.runner import Planned
 from zerobridge.errors import ConfigError
-from zerobridge.explain import format_bytes
 from zerobridge.models import preset_named
 from zerobridge.planning.fake_run import Run
 from zerobridge.planning.flavors import measure_flavor
@@ -38,12 +39,10 @@ from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 
-__all__ = ["FLAVOR_OF", "HEAD", "measured_peak", "peak_json", "peak_rows", "planned_peaks"]
+__all__ = ["FLAVOR_OF", "planned_peaks"]
 
 FLAVOR_OF = {"native": "native", "fsdp": "fsdp2", "deepspeed": "deepspeed"}
 """compare's backend -> the plan's flavor that models it."""
-
-HEAD = ["run", "plan flavor", "planned peak", "measured peak", "error", "note"]
 
 
 def _not_modelled(flavor: str, why: str) -> PlannedPeak:
@@ -89,32 +88,3 @@ def _planned(source: ModelSource, spec: StrategySpec, shape: Run, flavor: str) -
     peaks = [v for k, v in found.measured.peaks.items() if k != "setup"]
     note = ("closest form: " + "; ".join(found.approximation)) if found.approximation else None
     return PlannedPeak(flavor, max(peaks, default=0), note)
-
-
-def measured_peak(run: RunOutcome) -> int | None:
-    """The largest rank's peak over the training steps (``--plan-memory`` runs only)."""
-    return max(run.peak_bytes) if run.peak_bytes else None
-
-
-def peak_json(run: RunOutcome) -> dict[str, object]:
-    """``plan_flavor``, ``planned_peak_bytes``, ``measured_peak_bytes`` (largest rank), ``peak_bytes_per_rank``,
-    ``peak_error`` ((planned - measured) / measured) and ``plan_note``: all null without ``--plan-memory``."""
-    plan, measured = run.planned_peak, measured_peak(run)
-    return {"plan_flavor": plan.flavor if plan else None, "planned_peak_bytes": plan.bytes if plan else None,
-            "measured_peak_bytes": measured, "peak_bytes_per_rank": list(run.peak_bytes),
-            "peak_error": plan.error(measured) if plan else None, "plan_note": plan.note if plan else None}
-
-
-def peak_rows(runs: Sequence[RunOutcome]) -> list[list[str]]:
-    """One table row per run that was planned (``HEAD``)."""
-    rows = []
-    for run in runs:
-        plan = run.planned_peak
-        if plan is None:
-            continue
-        measured = measured_peak(run)
-        error = plan.error(measured)
-        rows.append([run.planned.name, plan.flavor, "-" if plan.bytes is None else format_bytes(plan.bytes),
-                     "failed" if run.error else "-" if measured is None else format_bytes(measured),
-                     "-" if error is None else f"{error:+.1%}", plan.note or ""])
-    return rows

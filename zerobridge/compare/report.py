@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerobridge.compare import plan_memory
+from zerobridge.compare import peak_report
 from zerobridge.compare.runner import RunOutcome, Skipped
 from zerobridge.compare.tolerance import Tolerance
 from zerobridge.explain import format_bytes
@@ -253,7 +253,7 @@ class Comparison:
             "approximations": [*run.planned.approximations], "formula_stage": run.planned.formula_stage,
             "diverged_at": None if diverged is None else {"step": diverged.step, "metric": diverged.metric,
                                                           "deviation": _finite(diverged.deviation)},
-            "error": run.error, "wall_s": round(run.wall_s, 3), **plan_memory.peak_json(run),
+            "error": run.error, "wall_s": round(run.wall_s, 3), **peak_report.peak_json(run),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -335,9 +335,9 @@ class Comparison:
         return lines
 
     def _peaks(self, table: Callable[[list[str], list[list[str]]], str]) -> list[str]:
-        rows = plan_memory.peak_rows(self.runs)
+        rows = peak_report.peak_rows(self.runs)
         return ["", "peak live tensor bytes per rank over the steps, planned (zerobridge plan) vs measured:",
-                table(plan_memory.HEAD, rows)] if rows else []
+                table(peak_report.HEAD, rows)] if rows else []
 
     def render(self) -> str:
         """The terminal report: runs, skipped pairs, per-step agreement, verdict."""
