@@ -71,6 +71,18 @@ def test_deepspeed_leaves_out_what_it_does_not_model_and_fsdp2_marks_its_approxi
     assert fsdp.row("zero2").approximation and "ZeRO-2" in fsdp.row("zero2").approximation[0]
 
 
+def test_fsdp2_plans_a_spec_that_skips_non_finite_steps(tmp_path: Path) -> None:
+    """A DeepSpeed bf16 config skips steps with inf/NaN gradients; the FSDP2 step's overflow check must not
+    read a fake tensor back (it reads as no overflow, as the native engine's does)."""
+    config = tmp_path / "bf16z3.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                                  "train_micro_batch_size_per_gpu": 2}))
+    result = plan("tiny-gpt", world_size=2, device_memory="1GiB", micro_batch=2, seq_len=16, workers=1,
+                  flavor="fsdp2", strategies=[str(config)], only_own=True)
+    row = result.row("bf16z3")
+    assert row.spec.precision.skip_nonfinite_steps and row.flavor == "fsdp2" and row.device_peak > 0
+
+
 # ----------------------------------------------------------------------- against real runs
 
 
