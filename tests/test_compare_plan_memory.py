@@ -65,3 +65,18 @@ def test_a_fake_run_that_fails_is_a_note_not_a_traceback(monkeypatch: pytest.Mon
     assert peak.bytes is None and peak.flavor == "fsdp2"
     assert peak.note == ("not modelled: the plan's fsdp2 fake run fails on this spec (RuntimeError: "
                          "aten._local_scalar_dense.default); plan it with zerobridge plan to see the whole error")
+
+
+def test_a_process_already_in_a_group_plans_in_a_program_of_its_own(tmp_path: Path) -> None:
+    """The plan runs rank 0 of a fake group; a caller that holds a group (a script that already called
+    init_process_group, a test session) gets its planned peaks from a separate program instead of a note."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("this process already holds a group")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        (peak,) = plan(stages=[3], backends=["native"], steps=1, plan_memory=True).planned_peaks
+    finally:
+        dist.destroy_process_group()
+    assert peak.bytes is not None and peak.bytes > 0 and peak.note is None, peak

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from zerobridge.compare.peaks import PlannedPeak
 from zerobridge.compare.runner import Planned
 from zerobridge.errors import ConfigError
@@ -36,6 +38,7 @@ from zerobridge.models import preset_named
 from zerobridge.planning.fake_run import Run
 from zerobridge.planning.flavors import measure_flavor
 from zerobridge.planning.models import ModelSource, resolve_model
+from zerobridge.planning.worker import program_map
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.presets import spec_for_stage
 
@@ -70,13 +73,16 @@ def planned_peaks(runs: Sequence[Planned], *, model: str, rows: int, seq_len: in
             spec = spec_for_stage(run.stage, source.build()) if run.by_stage else run.spec
             shape = Run(world_size=world_size, nodes=1, micro_batch=rows // run.accumulation, seq_len=seq_len,
                         accumulation=run.accumulation, optimizer="sgd" if optimizer == "sgd" else "adamw")
-            out.append(_planned(source, spec, shape, flavor))
+            out.append(_planned(model, source, spec, shape, flavor))
     return out
 
 
-def _planned(source: ModelSource, spec: StrategySpec, shape: Run, flavor: str) -> PlannedPeak:
+def _planned(model: str, source: ModelSource, spec: StrategySpec, shape: Run, flavor: str) -> PlannedPeak:
     try:
-        found = measure_flavor(source, spec, shape, True, flavor)
+        if dist.is_available() and dist.is_initialized():  # a plan runs rank 0 of a fake group of its own
+            (found,) = program_map(model, [spec], shape, True, flavor, workers=1)
+        else:
+            found = measure_flavor(source, spec, shape, True, flavor)
     except ConfigError as exc:
         return _not_modelled(flavor, exc.message)
     except Exception as exc:  # the plan cannot run this spec on fake tensors: a cell of the report, not a crash

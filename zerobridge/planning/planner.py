@@ -52,7 +52,7 @@ from zerobridge.planning.flavors import FLAVORS, FlavorMeasured, measure_flavor
 from zerobridge.planning.measure import FULL_DEPTH, SHALLOW
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.sizes import parse_bytes
-from zerobridge.planning.worker import fork_map
+from zerobridge.planning.worker import fork_map, program_map
 from zerobridge.spec import OffloadDevice, StrategySpec
 from zerobridge.translate.run_level import with_run_settings
 
@@ -137,36 +137,9 @@ def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], 
         return forked
     if not isinstance(model, (str, Path)):
         return [measure_flavor(source, spec, run, whole, flavor) for spec in specs]
-    import pickle
-    import subprocess
-    import sys
-    import tempfile
-
     # Each worker is a program of its own (``planning.worker``): a fresh interpreter that never
     # re-imports the caller's script, so a plain script needs no ``__main__`` guard.
-    count = min(workers, len(specs))
-    batches = [list(range(i, len(specs), count)) for i in range(count)]
-    with tempfile.TemporaryDirectory(prefix="zerobridge-plan-") as folder:
-        started = []
-        for n, batch in enumerate(batches):
-            task, result = Path(folder, f"task{n}.pkl"), Path(folder, f"result{n}.pkl")
-            task.write_bytes(pickle.dumps((str(model), [specs[i] for i in batch], run, whole, flavor)))
-            with open(Path(folder, f"err{n}.log"), "wb") as err:  # a file: a full pipe would block the worker
-                started.append((subprocess.Popen([sys.executable, "-m", "zerobridge.planning.worker", str(task),
-                                                  str(result)], stdout=subprocess.DEVNULL, stderr=err), result))
-        measured: dict[int, FlavorMeasured] = {}
-        for n, (batch, (proc, result)) in enumerate(zip(batches, started)):
-            proc.wait()
-            value = pickle.loads(result.read_bytes()) if result.exists() else None
-            if isinstance(value, Exception):
-                raise value
-            if not isinstance(value, list):
-                text = Path(folder, f"err{n}.log").read_text(errors="replace")
-                last = (text.strip().splitlines() or ["no output"])[-1]
-                raise RuntimeError(f"a planning worker (python -m zerobridge.planning.worker) exited "
-                                   f"{proc.returncode} without a result: {last}")
-            measured.update(zip(batch, value))
-    return [measured[i] for i in range(len(specs))]
+    return program_map(str(model), specs, run, whole, flavor, workers=workers)
 
 
 def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, device_memory: int,

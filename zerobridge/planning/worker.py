@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -31,9 +33,11 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from zerobridge.planning.flavors import measure_flavor_ref
+from zerobridge.planning.fake_run import Run
+from zerobridge.planning.flavors import FlavorMeasured, measure_flavor_ref
+from zerobridge.spec import StrategySpec
 
-__all__ = ["fork_map", "main"]
+__all__ = ["fork_map", "main", "program_map"]
 
 T = TypeVar("T")
 
@@ -62,6 +66,36 @@ def fork_map(job: Callable[[int], T], count: int, *, workers: int) -> list[T] | 
                            "see its error in this process") from exc
     finally:
         _JOB = None
+
+
+def program_map(ref: str, specs: list[StrategySpec], run: Run, whole: bool, flavor: str, *,
+                workers: int) -> list[FlavorMeasured]:
+    """Every spec of ``specs`` measured on ``flavor`` by ``workers`` programs of their own (``python -m
+    zerobridge.planning.worker TASK RESULT``: fresh interpreters with their own fake process group, for a
+    process already in a group, which ``fork_map`` declines); ``ref`` names the model again there."""
+    count = max(1, min(workers, len(specs)))
+    batches = [list(range(i, len(specs), count)) for i in range(count)]
+    with tempfile.TemporaryDirectory(prefix="zerobridge-plan-") as folder:
+        started = []
+        for n, batch in enumerate(batches):
+            task, result = Path(folder, f"task{n}.pkl"), Path(folder, f"result{n}.pkl")
+            task.write_bytes(pickle.dumps((ref, [specs[i] for i in batch], run, whole, flavor)))
+            with open(Path(folder, f"err{n}.log"), "wb") as err:  # a file: a full pipe would block the worker
+                started.append((subprocess.Popen([sys.executable, "-m", "zerobridge.planning.worker", str(task),
+                                                  str(result)], stdout=subprocess.DEVNULL, stderr=err), result))
+        measured: dict[int, FlavorMeasured] = {}
+        for n, (batch, (proc, result)) in enumerate(zip(batches, started)):
+            proc.wait()
+            value = pickle.loads(result.read_bytes()) if result.exists() else None
+            if isinstance(value, Exception):
+                raise value
+            if not isinstance(value, list):
+                text = Path(folder, f"err{n}.log").read_text(errors="replace")
+                last = (text.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"a planning worker (python -m zerobridge.planning.worker) exited "
+                                   f"{proc.returncode} without a result: {last}")
+            measured.update(zip(batch, value))
+    return [measured[i] for i in range(len(specs))]
 
 
 def main(task: Path, result: Path) -> int:
