@@ -16,6 +16,15 @@ from zerobridge.env import resolve_backend
 from zerobridge.errors import ConfigError
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _leave_no_process_group() -> Iterator[None]:
+    """``prepare`` under plain python starts a one-rank group in this process; the modules after this one
+    must not inherit it (a plan, for one, runs rank 0 of a fake group of its own)."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def test_argument_wins_over_environment() -> None:
     assert resolve_backend("deepspeed", env={"ZEROBRIDGE_BACKEND": "fsdp"}) == "deepspeed"
     assert resolve_backend(None, env={"ZEROBRIDGE_BACKEND": "deepspeed"}) == "deepspeed"

@@ -61,6 +61,7 @@ def test_a_fake_run_that_fails_is_a_note_not_a_traceback(monkeypatch: pytest.Mon
         raise RuntimeError("aten._local_scalar_dense.default\nmore")
 
     monkeypatch.setattr(plan_memory, "measure_flavor", fails)
+    monkeypatch.setattr(plan_memory, "program_map", lambda *args, **kwargs: fails())  # a process in a group
     (peak,) = plan(stages=[3], backends=["fsdp"], steps=1, plan_memory=True).planned_peaks
     assert peak.bytes is None and peak.flavor == "fsdp2"
     assert peak.note == ("not modelled: the plan's fsdp2 fake run fails on this spec (RuntimeError: "
