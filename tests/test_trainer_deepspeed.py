@@ -340,6 +340,16 @@ def compare(ddp: list[dict[str, Any]], ds: list[dict[str, Any]], stage: int) -> 
 # ----------------------------------------------------------------------------------------------- tests
 
 
+def test_deepspeed_builds_its_cpu_adam_here() -> None:
+    """DeepSpeed's CPU Adam and FusedAdam (the offload sources' and the optimizer sections' optimizers) build
+    or load from ``$TORCH_EXTENSIONS_DIR``: on a fresh clone this is their compile (about a minute on 2 cores),
+    a cost of its own rather than part of the first source's runs."""
+    pytest.importorskip("deepspeed")
+    missing = cpp_adam_missing()
+    if missing:
+        pytest.skip(missing)
+
+
 @pytest.mark.parametrize("source", SOURCES)
 def test_deepspeed_run_matches_ddp(source: Source, runs: Runs, record_property: Any) -> None:
     case, deepspeed_run, reference = runs.pair(source)
