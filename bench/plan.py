@@ -269,6 +269,16 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save(data: dict[str, Any]) -> None:
+    """Write ``data`` to ``RESULTS`` atomically, redraw the docs table from it and print it."""
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(RESULTS)
+    DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
+    print(table(data))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20M GPT and tiny Llama at world 2, no scale runs")
@@ -294,21 +304,13 @@ def main() -> None:
                                     capture_output=True, text=True).stdout.strip()
             data["cli_baseline"] = {"commit": commit, "figures": cli_times(args.baseline)}
         data["cli"], data["cli_date"] = cli_times(), datetime.date.today().isoformat()
-        tmp = RESULTS.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(RESULTS)
-        DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
-        print(table(data))
+        save(data)
         return
     if args.scale_only:
         data = json.loads(RESULTS.read_text())
         data["scale"] = scale()
         data["scale_command"] = "python bench/plan.py " + " ".join(sys.argv[1:])
-        tmp = RESULTS.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(RESULTS)
-        DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
-        print(table(data))
+        save(data)
         return
     data: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                             "command": "python bench/plan.py " + " ".join(sys.argv[1:])}
@@ -317,12 +319,7 @@ def main() -> None:
     else:
         data["accuracy"] = accuracy(list(SHAPES), [2, 4], ["fp32", "bf16"])
         data["scale"] = scale()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(RESULTS)
-    DOC.write_text(splice(DOC.read_text(), table(data), (BEGIN, END)))
-    print(table(data))
+    save(data)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ a long run repeats, and its collectives are the ones reported.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +46,7 @@ from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import Replay, ShapeReplay
 from zerobridge.spec import StrategySpec
 
-__all__ = ["Measured", "Run", "fake_world", "run_once", "run_real"]
+__all__ = ["Measured", "Run", "fake_world", "run_once", "run_real", "train_two_steps"]
 
 
 @dataclass(frozen=True)
@@ -128,18 +128,15 @@ def _optimizer(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
-def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, run: Run, replay: Replay,
-               tracker: StorageTracker) -> Measured:
-    """Prepare ``model`` and train two steps of ``run``, counting in ``tracker`` (already entered)."""
-    prepare(model, None, spec, allow_approximate=False, replay=replay, device=torch.device("cpu"))  # in place
-    optimizer = _optimizer([p for p in model.parameters() if p.requires_grad], run.optimizer)
-    engine = model.__dict__["_zerobridge_engine"]
-    assert isinstance(engine, Engine)
+def train_two_steps(source: ModelSource, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: Run,
+                    tracker: StorageTracker, *, steady: Callable[[], None]) -> None:
+    """Two optimizer steps of ``run`` (random tokens, ``run.accumulation`` micro-batches each), each phase
+    named in ``tracker``; ``steady`` is called before the second (the steady state a long run repeats)."""
     vocab = max(source.vocab_size, 2)
     generator = torch.Generator().manual_seed(0)
     for step in range(2):
         if step == 1:
-            engine.stats.reset()
+            steady()
         for _ in range(run.accumulation):
             tokens = torch.randint(0, vocab, (run.micro_batch, run.seq_len), generator=generator)
             tracker.phase = "forward"
@@ -150,6 +147,16 @@ def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, 
         tracker.phase = "step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, run: Run, replay: Replay,
+               tracker: StorageTracker) -> Measured:
+    """Prepare ``model`` and train two steps of ``run``, counting in ``tracker`` (already entered)."""
+    prepare(model, None, spec, allow_approximate=False, replay=replay, device=torch.device("cpu"))  # in place
+    optimizer = _optimizer([p for p in model.parameters() if p.requires_grad], run.optimizer)
+    engine = model.__dict__["_zerobridge_engine"]
+    assert isinstance(engine, Engine)
+    train_two_steps(source, model, optimizer, run, tracker, steady=engine.stats.reset)
     held = engine.memory()
     stats = engine.stats
     return Measured(peaks=dict(tracker.peaks), tiers=dict(held["tier_bytes"]),

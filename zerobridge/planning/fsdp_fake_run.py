@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerobridge.backends.base import backend_of
 from zerobridge.backends.fsdp.prepare import prepare
-from zerobridge.planning.fake_run import Measured, Run, fake_world
+from zerobridge.planning.fake_run import Measured, Run, fake_world, train_two_steps
 from zerobridge.planning.models import ModelSource
 from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import ShapeReplay
@@ -67,21 +67,7 @@ def run_fsdp(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
         assert isinstance(prepared, tuple)
         module, optimizer = prepared
         backend = backend_of(module)
-        vocab = max(source.vocab_size, 2)
-        generator = torch.Generator().manual_seed(0)
-        for step in range(2):
-            if step == 1:
-                backend.reset_stats()
-            for _ in range(run.accumulation):
-                tokens = torch.randint(0, vocab, (run.micro_batch, run.seq_len), generator=generator)
-                tracker.phase = "forward"
-                loss = source.loss(module, tokens) / run.accumulation
-                tracker.phase = "backward"
-                loss.backward()
-                del loss, tokens
-            tracker.phase = "step"
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        train_two_steps(source, module, optimizer, run, tracker, steady=backend.reset_stats)
         held = backend.stats()
     measured = Measured(peaks=dict(tracker.peaks), tiers=dict(held["tier_bytes"]),
                         model_states={"params": held["param_bytes"], "grads": held["grad_bytes"],
