@@ -11,7 +11,8 @@ for the engine on top of the shared run rules (``zerobridge.runtime``),
 (``swapfile`` holds the nvme tier's files), ``nvme_step`` streams nvme
 optimizer state through the step, ``master`` reads and writes master values
 wherever they live, ``grad_store`` keeps a group's gradients from backward
-to the optimizer, ``step`` is the engine's stepper (``NativeStepper``),
+to the optimizer, ``step`` is the engine's stepper (``NativeStepper``;
+``param_range`` steps a parameter larger than its tile a range at a time),
 ``state`` gathers full state and counts bytes, and ``local_runs`` is what
 the rest of zerobridge reads and writes of an engine (checkpoints,
 pretrained weights, meta-device values).

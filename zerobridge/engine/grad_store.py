@@ -26,7 +26,8 @@ A ``clip_grad_norm_`` call asks for every gradient at once (``materialize_grads`
 The step alone does not, nor does the spec's clipping (applied at step time): each
 tile of parameters is cast (``cast_grads``), stepped and dropped in turn, so the
 fp32 gradients held at once are one tile's (``step.py``), never all of them
-beside the store.
+beside the store; a parameter larger than a tile is cast and stepped a range of
+its elements at a time when the optimizer allows it (``cast_range``, ``param_range.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from zerobridge.engine.flat_group import FlatGroup
 
-__all__ = ["Scale", "attach_grads", "cast_grads", "drop_grads", "materialize_grads", "scale_grads"]
+__all__ = ["Scale", "attach_grads", "cast_grads", "cast_range", "drop_grads", "materialize_grads", "scale_grads"]
 
 Scale = float | torch.Tensor
 """A factor every optimizer gradient is multiplied by once cast: ``1 / loss scale`` (a float), or a
@@ -78,14 +79,29 @@ def cast_grads(group: FlatGroup, indices: Sequence[int], scales: Sequence[Scale]
     grads: list[torch.Tensor] = []
     for i in indices:
         param = group.params[i]
-        if not group.handed[i]:
-            continue
-        piece = group.layout.pieces[i]
-        grad = torch.empty(piece.numel, dtype=group.plan.master_dtype, device=group.master_device)
-        param.grad = grad.copy_(group.store_view(i)).view(param.shape)
-        grads.append(param.grad)
+        if group.handed[i]:
+            param.grad = _cast(group, group.store_view(i)).view(param.shape)
+            grads.append(param.grad)
     scale_grads(grads, scales)
     return grads
+
+
+def cast_range(group: FlatGroup, index: int, start: int, stop: int, scales: Sequence[Scale]) -> list[torch.Tensor]:
+    """``cast_grads`` for the elements ``start:stop`` of parameter ``index`` alone, while the optimizer
+    sees the parameter narrowed to them (``param_range.py``): its flat gradient, or none if not handed."""
+    if not group.handed[index]:
+        return []
+    param = group.params[index]
+    param.grad = _cast(group, group.store_view(index)[start:stop])
+    grads = [param.grad]
+    scale_grads(grads, scales)
+    return grads
+
+
+def _cast(group: FlatGroup, stored: torch.Tensor) -> torch.Tensor:
+    """A new tensor in the master dtype, on the master's device, holding ``stored``'s values."""
+    grad = torch.empty(stored.numel(), dtype=group.plan.master_dtype, device=group.master_device)
+    return grad.copy_(stored)
 
 
 def drop_grads(group: FlatGroup) -> None:

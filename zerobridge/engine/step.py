@@ -16,6 +16,9 @@ and hides their gradients, so the user's ``step()`` moves only the others. So it
 does, in tiles of about 1/``STEP_TILES`` of the shard, for 16-bit gradients the
 optimizer takes in fp32 (``grad_store.py``): each tile's fp32 copies are cast,
 stepped and dropped before the next, so no step holds a whole fp32 gradient copy.
+A parameter larger than a tile is stepped a tile's worth of its elements at a time
+when the optimizer's update is elementwise (AdamW, Adam, SGD: ``param_range.py``),
+so neither its fp32 gradient nor the optimizer's temporaries are ever whole-matrix sized.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import torch.distributed as dist
 from zerobridge.engine import collectives
 from zerobridge.engine.collectives import Pending
 from zerobridge.engine.flat_group import FlatGroup
-from zerobridge.engine.grad_store import Scale, cast_grads, drop_grads, materialize_grads, scale_grads
+from zerobridge.engine.grad_store import Scale, cast_grads, cast_range, drop_grads, materialize_grads, scale_grads
 from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.nvme_step import StateSwapper, tiles
+from zerobridge.engine.param_range import RangeStep, ranges, splits
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.loss_scale import LossScaler
@@ -54,7 +58,8 @@ __all__ = ["STEP_TILES", "NativeStepper"]
 STEP_TILES = 64
 """Deferred gradients (``grad_store.py``) are cast and stepped in about this many tiles of the
 engine's shard, so their fp32 copies add about 1/64 of a gradient shard to the step's peak
-(a parameter larger than a tile is a tile alone)."""
+(a parameter larger than a tile is stepped in ranges of a tile, or, for an optimizer that is
+not elementwise, is a tile alone)."""
 
 def _tiled(group: FlatGroup) -> bool:
     """``group``'s deferred gradients are cast and stepped a tile at a time: its master is not offloaded.
@@ -207,6 +212,9 @@ class NativeStepper:
                 if not group.pending or id(group) not in self.awaiting:
                     continue
                 for tile in self._tiles(group, ids):
+                    if len(tile) == 1 and splits(optimizer, group.layout.pieces[tile[0]].numel, self.tile_cap):
+                        self._step_in_ranges(optimizer, group, tile[0])
+                        continue
                     if cast_grads(group, tile, self.scales):
                         raw_step(optimizer)
                     for i in tile:
@@ -214,6 +222,18 @@ class NativeStepper:
         finally:
             for param, grad in others:
                 param.grad = grad
+
+    def _step_in_ranges(self, optimizer: torch.optim.Optimizer, group: FlatGroup, index: int) -> None:
+        """Step parameter ``index`` of ``group``, larger than a tile, a tile's worth of its elements at a time
+        (``param_range.py``: bit-identical for elementwise optimizers)."""
+        if not group.handed[index]:
+            return
+        param = group.params[index]
+        with RangeStep(optimizer, param) as stepping:
+            for start, stop in ranges(param.numel(), cap=self.tile_cap):
+                with stepping.narrowed(start, stop):
+                    cast_range(group, index, start, stop, self.scales)
+                    raw_step(optimizer)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> Stash:
         """Optimizer pre-step hook: skip (hide gradients), let the step run, or run it here tile
