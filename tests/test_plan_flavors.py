@@ -16,13 +16,17 @@ from typing import Any
 import pytest
 from conftest import REPO
 
+from zerobridge.cli import main
+from zerobridge.errors import ConfigError
 from zerobridge.harness.cluster import Cluster
 from zerobridge.planning import Plan, plan
-from zerobridge.planning.candidates import candidates, deepspeed_form
+from zerobridge.planning.candidates import candidates, deepspeed_form, with_checkpointing
 from zerobridge.planning.deepspeed_memory import buffers_for, deepspeed_config
-from zerobridge.planning.flavors import flavor_for_target
+from zerobridge.planning.flavors import FLAVORS, NOT_MODELLED, flavor_for_target
 from zerobridge.planning.models import resolve_model
+from zerobridge.planning.report import render
 from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.translate.run_level import with_run_settings
 
 WORLD, MICRO_BATCH, SEQ_LEN, WITHIN = 2, 2, 128, 0.10
@@ -81,6 +85,80 @@ def test_fsdp2_plans_a_spec_that_skips_non_finite_steps(tmp_path: Path) -> None:
                   flavor="fsdp2", strategies=[str(config)], only_own=True)
     row = result.row("bf16z3")
     assert row.spec.precision.skip_nonfinite_steps and row.flavor == "fsdp2" and row.device_peak > 0
+
+
+# ----------------------------------------------------------------------- --flavor all: a column per flavor
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _own_configs(folder: Path) -> list[str]:
+    """Two specs, checkpointed (so no ``+ac`` forms are added): ZeRO-2 (FSDP2 runs only its closest form) and
+    ZeRO-2 with the optimizer on the host (DeepSpeed's memory model leaves offload out)."""
+    model = resolve_model("tiny-gpt").build()
+    base = deepspeed_form(with_checkpointing(spec_for_stage(2, model), model), model, own=False)[0]
+    offloaded = base.model_copy(update={"offload": base.offload.model_copy(
+        update={"optimizer": base.offload.optimizer.model_copy(update={"device": "cpu"})})})
+    paths = []
+    for name, spec in (("z2", base), ("off", offloaded)):
+        path = folder / f"{name}.json"
+        path.write_text(StrategySpec.model_validate(spec.model_dump() | {"name": name}).model_dump_json())
+        paths.append(str(path))
+    return paths
+
+
+def test_flavor_all_measures_every_candidate_on_every_flavor(tmp_path: Path) -> None:
+    result = plan("tiny-gpt", world_size=2, device_memory="64MiB", micro_batch=2, seq_len=16, workers=2,
+                  flavor="all", recommend_for="deepspeed", strategies=_own_configs(tmp_path), only_own=True)
+    assert result.flavors == FLAVORS and result.flavor == "deepspeed" and result.rows == result.columns["deepspeed"]
+    assert result.candidate_names == ("z2", "off")
+    native, fsdp2, ds = (result.row("z2", f) for f in FLAVORS)
+    # each flavor's own figure: FSDP2 runs its closest form of ZeRO-2 (marked), DeepSpeed adds its buffers
+    assert (native.flavor, fsdp2.flavor, ds.flavor) == FLAVORS
+    assert fsdp2.approximation and not native.approximation and not ds.approximation
+    assert len({native.device_peak, fsdp2.device_peak, ds.device_peak}) == 3
+    # a candidate DeepSpeed's model leaves out is a cell of its own, never another flavor's row
+    cell, why = result.left_out["deepspeed"]["off"]
+    assert cell == NOT_MODELLED and "offload" in why
+    with pytest.raises(KeyError):
+        result.row("off", "deepspeed")
+    assert {f: result.recommended_for(f).flavor for f in FLAVORS} == {f: f for f in FLAVORS}
+    lines = render(result).splitlines()
+    header = next(line for line in lines if line.startswith("candidate"))
+    assert header.split()[1:4] == list(FLAVORS) and "fits (deepspeed)" in header
+    cells = {line.split()[0].lstrip("*"): line.split()[1:7] for line in lines if line.startswith("*")}
+    assert cells["z2"][2].startswith("~") and cells["off"][4:6] == ["not", "modelled"]
+    # the plan's flavor's recommendation first; one line per flavor, each naming it
+    recommended = [line.split()[2].rstrip(":") for line in lines if line.startswith("recommended for ")]
+    assert recommended == ["deepspeed", "native", "fsdp2"]
+    with pytest.raises(ConfigError, match="--flavor"):
+        plan("tiny-gpt", world_size=2, device_memory="64MiB", seq_len=16, flavor="every")
+    with pytest.raises(ConfigError, match="not among the flavors planned"):
+        plan("tiny-gpt", world_size=2, device_memory="64MiB", seq_len=16, flavor="fsdp2", recommend_for="deepspeed")
+
+
+def test_cli_flavor_all(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    configs = _own_configs(tmp_path)
+    argv = ["plan", "tiny-gpt", "--world-size", "2", "--device-memory", "64MiB", "--micro-batch", "2",
+            "--seq-len", "16", "--flavor", "all", "--only-own", "--config"]
+    written = tmp_path / "ds.json"
+    code, out, err = _cli(capsys, *argv, *configs, "--to", "deepspeed", "-o", str(written), "--json")
+    data = json.loads(out)
+    # --to deepspeed recommends from DeepSpeed's column, and writes that
+    assert code == 0 and data["flavor"] == "deepspeed" and set(data["flavors"]) == set(FLAVORS)
+    assert data["recommended"] == "z2" and "wrote z2 as deepspeed" in err and written.is_file()
+    assert data["device_peak_by_flavor"]["off"]["deepspeed"] == NOT_MODELLED
+    assert all(isinstance(data["device_peak_by_flavor"]["z2"][f], int) for f in FLAVORS)
+    assert data["flavors"]["fsdp2"]["candidates"][0]["approximation"]
+    assert data["flavors"]["deepspeed"]["left_out"]["off"]["cell"] == NOT_MODELLED
+    # nothing DeepSpeed's column can recommend: bad input, the fix named, no traceback
+    code, _, err = _cli(capsys, *argv, configs[1], "--to", "deepspeed", "-o", str(written))
+    assert code == 2 and "no candidate can be planned on deepspeed" in err and "Traceback" not in err
+    assert "--flavor native" in err
 
 
 # ----------------------------------------------------------------------- against real runs

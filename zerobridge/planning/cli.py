@@ -4,9 +4,13 @@
     zerobridge plan ./my-model --world-size 8 --device-memory 24GiB --seq-len 2048 --to deepspeed -o ds.json
     zerobridge plan tiny-gpt:20m --world-size 2 --device-memory 1GiB --config ds.json --json
 
+    zerobridge plan tiny-llama --world-size 2 --device-memory 1GiB --seq-len 128 --flavor all --to deepspeed
+
 Exit 0 when a candidate fits (its config written with ``--to``), 1 when none
 does (the message says what would), 2 on bad input. With ``--to`` and no
-``-o``, the config goes to stdout and the table to stderr.
+``-o``, the config goes to stdout and the table to stderr. ``--flavor all``
+prints a peak column per flavor and a recommendation per flavor; the exit code
+and ``--to`` follow the flavor ``--to`` runs on (native without ``--to``).
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--whole", action="store_true",
                    help="measure every candidate at the model's full depth instead of extending two shallow "
                         "depths (models over 12 blocks; slower)")
-    p.add_argument("--flavor", choices=("native", "fsdp2", "deepspeed"),
-                   help="the engine the peaks are for: zerobridge's native engine, the FSDP2 backend, or DeepSpeed "
-                        "(its buffers modelled; stages 2 and 3) (default: the flavor --to runs on, else native)")
+    p.add_argument("--flavor", choices=("native", "fsdp2", "deepspeed", "all"),
+                   help="the engine the peaks are for: zerobridge's native engine, the FSDP2 backend, DeepSpeed "
+                        "(its buffers modelled), or all three, a peak column each, with one recommendation per "
+                        "flavor (default: the flavor --to runs on, else native)")
     p.add_argument("--to", choices=sorted(TARGETS), help="write the recommended strategy in this format")
     p.add_argument("-o", "--output", type=Path, help="write the --to config here (atomically)")
     p.add_argument("--json", action="store_true", help="the plan as JSON on stdout")
@@ -80,16 +85,18 @@ def run(args: argparse.Namespace) -> int:
     from zerobridge.planning import planner, report  # lazy: torch, which registering the subcommand never needs
     from zerobridge.planning.flavors import flavor_for_target  # lazy: torch, as above
 
-    flavor = args.flavor or (flavor_for_target(args.to) if args.to is not None else "native")
-    if args.to is not None and flavor != flavor_for_target(args.to):
-        print(f"zerobridge: warning: --to {args.to} runs on {flavor_for_target(args.to)}, and the peaks are "
+    runs_on = flavor_for_target(args.to) if args.to is not None else "native"
+    flavor = args.flavor or runs_on
+    if args.to is not None and flavor not in ("all", runs_on):
+        print(f"zerobridge: warning: --to {args.to} runs on {runs_on}, and the peaks are "
               f"{flavor}'s (--flavor {flavor})", file=sys.stderr)
 
     plan, render, to_json, no_fit_message = planner.plan, report.render, report.to_json, report.no_fit_message
     result = plan(args.model, world_size=args.world_size, nodes=args.nodes, device_memory=args.device_memory,
                   host_memory=args.host_memory, micro_batch=args.micro_batch, seq_len=args.seq_len,
                   accumulation=args.accumulation, precision=args.precision, optimizer=args.optimizer,
-                  strategies=args.own, only_own=args.only_own, whole=args.whole, flavor=flavor)
+                  strategies=args.own, only_own=args.only_own, whole=args.whole, flavor=flavor,
+                  recommend_for=runs_on if flavor == "all" else None)
     table_out = sys.stderr if args.to is not None and args.output is None else sys.stdout
     if args.json:
         print(json.dumps(to_json(result), indent=2))

@@ -1,8 +1,8 @@
 """Which engine a plan measures a candidate on: the native engine, FSDP2, or DeepSpeed's memory model.
 
     >>> from zerobridge.planning.flavors import FLAVORS, flavor_for_target
-    >>> FLAVORS
-    ('native', 'fsdp2', 'deepspeed')
+    >>> FLAVORS, flavors_named("all")
+    (('native', 'fsdp2', 'deepspeed'), ('native', 'fsdp2', 'deepspeed'))
     >>> flavor_for_target("accelerate-deepspeed"), flavor_for_target("torchtitan"), flavor_for_target("spec")
     ('deepspeed', 'fsdp2', 'native')
 
@@ -14,6 +14,11 @@
   (``deepspeed_memory``: real DeepSpeed does not run on fake tensors), sized
   from the JSON ``--to deepspeed`` writes; stages 2 and 3 on one group without
   offload; other candidates are left out of that flavor's plan, with the reason.
+
+A candidate a flavor cannot run is ``refused`` with a ``cell`` saying which
+way (``NOT_EXPRESSIBLE``: the flavor has no form for it; ``NOT_MODELLED``: it
+has one, and the plan cannot measure it there); the plan shows that cell in the
+flavor's column, never another flavor's figure (``--flavor all``).
 
 A candidate deeper than ``FULL_DEPTH`` blocks is measured at ``SHALLOW`` depths
 and extended, on every flavor alike (``measure``).
@@ -33,10 +38,19 @@ from zerobridge.planning.measure import FULL_DEPTH, SHALLOW, extend
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.spec import StrategySpec
 
-__all__ = ["FLAVORS", "FlavorMeasured", "flavor_for_target", "measure_flavor", "measure_flavor_ref"]
+__all__ = ["ALL", "FLAVORS", "NOT_EXPRESSIBLE", "NOT_MODELLED", "FlavorMeasured", "flavor_for_target",
+           "flavors_named", "measure_flavor", "measure_flavor_ref"]
 
 FLAVORS = ("native", "fsdp2", "deepspeed")
 """The engines a plan can measure on (``--flavor``)."""
+ALL = "all"
+"""``--flavor all``: every flavor of ``FLAVORS``, one column each."""
+NOT_EXPRESSIBLE = "not expressible"
+"""The cell of a candidate the flavor has no form for, not even an approximate one."""
+NOT_MODELLED = "not modelled"
+"""The cell of a candidate the flavor runs, and the plan cannot measure there (DeepSpeed's model, a fake run
+that fails)."""
+_REFUSED_AS = {"fsdp2": NOT_EXPRESSIBLE, "deepspeed": NOT_MODELLED}
 
 _TARGET_FLAVOR = {"deepspeed": "deepspeed", "accelerate-deepspeed": "deepspeed", "trainer-deepspeed": "deepspeed",
                   "fsdp2": "fsdp2", "torchtitan": "fsdp2", "accelerate-fsdp": "fsdp2", "lightning": "fsdp2",
@@ -54,11 +68,23 @@ class FlavorMeasured:
     approximation: tuple[str, ...] = ()
     """What the flavor ran instead of the spec (``key: note``); empty when exact."""
     refused: str | None = None
+    """Why the flavor cannot plan it (``measured`` is then ``None``)."""
+    cell: str | None = None
+    """What the flavor's column shows in place of a peak: ``NOT_EXPRESSIBLE`` or ``NOT_MODELLED``."""
 
 
 def flavor_for_target(target: str) -> str:
     """The flavor a ``--to`` format runs on (``native`` for zerobridge's own ``spec``)."""
     return _TARGET_FLAVOR.get(target, "native")
+
+
+def flavors_named(flavor: str) -> tuple[str, ...]:
+    """The flavors ``--flavor FLAVOR`` measures (``all``: every one); ``ConfigError`` naming the choices."""
+    if flavor == ALL:
+        return FLAVORS
+    if flavor not in FLAVORS:
+        raise ConfigError(f"--flavor {flavor!r}", key="--flavor", fix=f"use one of {', '.join(FLAVORS)} or {ALL}")
+    return (flavor,)
 
 
 def _native(source: ModelSource, spec: StrategySpec, run: Run, layers: int | None) -> tuple[Measured, tuple[str, ...]]:
@@ -92,7 +118,13 @@ def measure_flavor(source: ModelSource, spec: StrategySpec, run: Run, whole: boo
     except ConfigError as exc:
         if flavor == "native":
             raise
-        return FlavorMeasured(None, refused=exc.message)
+        return FlavorMeasured(None, refused=exc.message, cell=_REFUSED_AS[flavor])
+    except Exception as exc:  # the flavor's own code fails on fake tensors: a cell of its column, not a crash
+        if flavor == "native":
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        return FlavorMeasured(None, refused=f"its fake run fails on this layout ({type(exc).__name__}: {first})",
+                              cell=NOT_MODELLED)
     return FlavorMeasured(extend(low, high, SHALLOW, source.layers), notes)
 
 

@@ -31,6 +31,16 @@ The recommendation, for the plan's flavor: among the candidates that fit
 ``host_memory``, when given), the least communication, then exact before a
 flavor's approximation, then the least offloaded, then no
 recomputation, then the smallest peak.
+
+``flavor="all"`` measures every candidate on every flavor: ``Plan.columns``
+holds each flavor's rows, ``Plan.left_out`` what each flavor cannot plan and
+why, ``Plan.recommended_for(flavor)`` each flavor's recommendation from its own
+rows; ``rows`` and ``recommended`` are ``recommend_for``'s (default native):
+
+    >>> every = plan("tiny-gpt", world_size=2, device_memory="64MiB", micro_batch=2, seq_len=16, workers=1,
+    ...              flavor="all", strategies=["zero2"], only_own=True)
+    >>> every.flavors, every.flavor, every.row("zero2", "fsdp2").approximation != ()
+    (('native', 'fsdp2', 'deepspeed'), 'native', True)
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ from zerobridge.explain import Explanation, explain
 from zerobridge.load import load_spec_for_world
 from zerobridge.planning.candidates import Candidate, candidates, deepspeed_form
 from zerobridge.planning.fake_run import Measured, Run
-from zerobridge.planning.flavors import FLAVORS, FlavorMeasured, measure_flavor
+from zerobridge.planning.flavors import ALL, NOT_MODELLED, FlavorMeasured, flavors_named, measure_flavor
 from zerobridge.planning.measure import FULL_DEPTH, SHALLOW
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.sizes import parse_bytes
@@ -107,39 +117,63 @@ class Plan:
     """How the figures were obtained (whole model, or extended from two depths)."""
     notes: tuple[str, ...] = field(default=())
     flavor: str = "native"
-    """The engine every row was measured on (``--flavor``)."""
+    """The engine ``rows`` were measured on, and ``recommended`` holds for (``--flavor``; with ``all``, the
+    flavor ``--to`` runs on, else native)."""
+    columns: dict[str, tuple[Row, ...]] = field(default_factory=dict)
+    """Every flavor measured (one, or all of them with ``--flavor all``) -> its rows, in candidate order."""
+    left_out: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    """Flavor -> candidate it cannot plan -> (its cell: ``not expressible`` or ``not modelled``, why)."""
+    candidate_names: tuple[str, ...] = ()
+    """Every candidate planned, in order, whichever flavors could plan it."""
 
-    def row(self, name: str) -> Row:
-        """The row of candidate ``name``."""
-        for r in self.rows:
+    @property
+    def flavors(self) -> tuple[str, ...]:
+        """The flavors measured, in ``FLAVORS`` order."""
+        return tuple(self.columns) or (self.flavor,)
+
+    def rows_for(self, flavor: str) -> tuple[Row, ...]:
+        """``flavor``'s rows (``KeyError`` when it was not measured)."""
+        return self.rows if flavor == self.flavor else self.columns[flavor]
+
+    def row(self, name: str, flavor: str | None = None) -> Row:
+        """The row of candidate ``name`` on ``flavor`` (default: the plan's); ``KeyError`` when that flavor
+        left it out."""
+        for r in self.rows_for(flavor or self.flavor):
             if r.name == name:
                 return r
         raise KeyError(name)
 
-    @property
-    def recommended(self) -> Row:
-        """The candidate to run: the best of those that fit, else the one closest to fitting."""
-        fitting = [r for r in self.rows if r.fits]
+    def recommended_for(self, flavor: str) -> Row:
+        """``flavor``'s candidate to run, from its own rows: the best of those that fit, else the one
+        closest to fitting."""
+        rows = self.rows_for(flavor)
+        fitting = [r for r in rows if r.fits]
         if not fitting:
-            return max(self.rows, key=lambda r: r.margin)
+            return max(rows, key=lambda r: r.margin)
         return min(fitting, key=lambda r: (r.comm_bytes, bool(r.approximation), r.host_bytes, r.recomputes,
                                            r.device_peak))
 
+    @property
+    def recommended(self) -> Row:
+        """The candidate to run on the plan's flavor (``recommended_for(flavor)``)."""
+        return self.recommended_for(self.flavor)
 
-def _measure_all(model: object, source: ModelSource, specs: list[StrategySpec], run: Run,
-                 workers: int, whole: bool, flavor: str) -> list[FlavorMeasured]:
-    """Every spec measured on ``flavor``; in ``workers`` processes (each holding its own fake process
+
+def _measure_all(model: object, source: ModelSource, jobs: list[tuple[StrategySpec, str]], run: Run,
+                 workers: int, whole: bool) -> list[FlavorMeasured]:
+    """Every (spec, flavor) of ``jobs`` measured; in ``workers`` processes (each holding its own fake process
     group): forked from this one (``worker.fork_map``), else fresh ones when the model is named by a string."""
-    if workers <= 1 or len(specs) < 2:
-        return [measure_flavor(source, spec, run, whole, flavor) for spec in specs]
-    forked = fork_map(lambda i: measure_flavor(source, specs[i], run, whole, flavor), len(specs), workers=workers)
+    if workers <= 1 or len(jobs) < 2:
+        return [measure_flavor(source, spec, run, whole, flavor) for spec, flavor in jobs]
+    forked = fork_map(lambda i: measure_flavor(source, jobs[i][0], run, whole, jobs[i][1]), len(jobs),
+                      workers=workers)
     if forked is not None:
         return forked
     if not isinstance(model, (str, Path)):
-        return [measure_flavor(source, spec, run, whole, flavor) for spec in specs]
+        return [measure_flavor(source, spec, run, whole, flavor) for spec, flavor in jobs]
     # Each worker is a program of its own (``planning.worker``): a fresh interpreter that never
     # re-imports the caller's script, so a plain script needs no ``__main__`` guard.
-    return program_map(str(model), specs, run, whole, flavor, workers=workers)
+    return program_map(str(model), [spec for spec, _ in jobs], run, whole, [f for _, f in jobs], workers=workers)
 
 
 def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, device_memory: int,
@@ -209,7 +243,8 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
          micro_batch: int = 1, seq_len: int = 2048, nodes: int = 1, host_memory: int | str | None = None,
          precision: str = "bf16", accumulation: int = 1, optimizer: str = "adamw",
          strategies: Sequence[str | Path | StrategySpec] = (), only_own: bool = False,
-         workers: int | None = None, whole: bool = False, flavor: str = "native") -> Plan:
+         workers: int | None = None, whole: bool = False, flavor: str = "native",
+         recommend_for: str | None = None) -> Plan:
     """Measure every candidate layout of ``model`` on ``world_size`` ranks over ``nodes`` nodes and
     rank them (module docstring).
 
@@ -225,11 +260,16 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
         whole: measure every candidate at the model's full depth, never extended from two shallow
             ones (slower: about 15 s per candidate for a 70B model here).
         flavor: the engine the figures are for: ``native`` (zerobridge's), ``fsdp2`` (the FSDP2
-            backend, on fake tensors) or ``deepspeed`` (DeepSpeed's buffers modelled on the native
-            run; stages 2 and 3); see ``flavors``.
+            backend, on fake tensors), ``deepspeed`` (DeepSpeed's buffers modelled on the native
+            run); see ``flavors``. ``all``: every one, a column each (``Plan.columns``).
+        recommend_for: the flavor ``rows`` and ``recommended`` are for, one of those planned (default:
+            ``flavor``; with ``all``, native; ``plan --flavor all --to X`` passes the flavor X runs on).
     """
-    if flavor not in FLAVORS:
-        raise ConfigError(f"--flavor {flavor!r}", key="--flavor", fix=f"use one of {', '.join(FLAVORS)}")
+    measured_on = flavors_named(flavor)
+    primary = recommend_for or (flavor if flavor != ALL else "native")
+    if primary not in measured_on:
+        raise ConfigError(f"recommend_for={primary!r} is not among the flavors planned ({', '.join(measured_on)})",
+                          key="--flavor", fix=f"use --flavor {primary} or --flavor {ALL}")
     source = _source(model)
     device_bytes = parse_bytes(device_memory, key="--device-memory")
     host_bytes = None if host_memory is None else parse_bytes(host_memory, key="--host-memory")
@@ -248,26 +288,40 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
     params = source.params
     specs = [with_run_settings(c.spec, micro_batch=micro_batch, accumulation=accumulation,
                                precision=precision).value.model_copy(update={"name": c.name}) for c in chosen]
-    if flavor == "deepspeed":  # measured as --to deepspeed writes it: buckets sized for the model
-        specs = [deepspeed_form(spec, template, own=c.own)[0] for c, spec in zip(chosen, specs)]
+    # DeepSpeed is measured as --to deepspeed writes it: buckets sized for the model
+    ds_specs = ([deepspeed_form(spec, template, own=c.own)[0] for c, spec in zip(chosen, specs)]
+                if "deepspeed" in measured_on else specs)
+    jobs = [(ds if f == "deepspeed" else spec, f) for f in measured_on for spec, ds in zip(specs, ds_specs)]
     count = min(os.cpu_count() or 1, 4) if workers is None else workers
-    measured = _measure_all(model, source, specs, run, count, whole, flavor)
-    rows = [_row(Candidate(c.name, spec, c.own), m.measured, params=params, run=run, device_memory=device_bytes,
-                 host_memory=host_bytes, flavor=flavor, approximation=m.approximation)
-            for c, spec, m in zip(chosen, specs, measured) if m.measured is not None]
-    refused: dict[str, list[str]] = {}
-    for c, m in zip(chosen, measured):
-        if m.measured is None:
-            refused.setdefault(str(m.refused), []).append(c.name)
-    left = [f"{flavor} leaves out {', '.join(names)}: {why}" for why, names in refused.items()]
-    if not rows:
-        raise ConfigError(f"no candidate can be planned on {flavor}: {left[0]}", key="--flavor",
-                          fix="plan with --flavor native, or choose candidates the flavor runs")
+    results = iter(_measure_all(model, source, jobs, run, count, whole))
+    columns: dict[str, tuple[Row, ...]] = {}
+    left_out: dict[str, dict[str, tuple[str, str]]] = {}
+    notes: list[str] = []
+    for f in measured_on:
+        rows, refused = [], {}
+        for c, spec in zip(chosen, ds_specs if f == "deepspeed" else specs):
+            m = next(results)
+            if m.measured is None:
+                refused[c.name] = (m.cell or NOT_MODELLED, str(m.refused))
+                continue
+            rows.append(_row(Candidate(c.name, spec, c.own), m.measured, params=params, run=run,
+                             device_memory=device_bytes, host_memory=host_bytes, flavor=f,
+                             approximation=m.approximation))
+        columns[f], left_out[f] = tuple(rows), refused
+        by_reason: dict[tuple[str, str], list[str]] = {}
+        for name, cell in refused.items():
+            by_reason.setdefault(cell, []).append(name)
+        notes += [f"{f} leaves out {', '.join(names)} ({cell}): {why}" for (cell, why), names in by_reason.items()]
+    if not columns[primary]:
+        first = next(iter(left_out[primary].values()))[1]
+        raise ConfigError(f"no candidate can be planned on {primary}: {first}", key="--flavor",
+                          fix=f"plan with --flavor native, or choose candidates {primary} runs")
     deep = source.layers is not None and source.layers > FULL_DEPTH and not whole
     how = (f"measured at {SHALLOW[0]} and {SHALLOW[1]} of {source.layers} blocks, extended to {source.layers}"
            if deep else "measured on the whole model")
     return Plan(model=source.name, params=params, run=run, precision=precision, device_memory=device_bytes,
-                host_memory=host_bytes, rows=tuple(rows), how=how, notes=tuple(left), flavor=flavor)
+                host_memory=host_bytes, rows=columns[primary], how=how, notes=tuple(notes), flavor=primary,
+                columns=columns, left_out=left_out, candidate_names=tuple(c.name for c in chosen))
 
 
 def ranks_needed(row: Row, device_memory: int, run: Run) -> int | None:

@@ -13,8 +13,8 @@ one (the costs differ by 3x between candidates). A fork never runs the caller's
 guard. Where forking is not for this process (no ``fork`` start method, or a
 process group the children would inherit) ``fork_map`` declines and ``main``
 is the fallback: ``python -m zerobridge.planning.worker TASK RESULT``, a program
-of its own that reads the pickled task (the model's name, the specs, the run,
-``whole``, the flavor) from the file TASK, measures each spec and writes the
+of its own that reads the pickled task (the model's name, each spec with its flavor,
+the run, ``whole``) from the file TASK, measures each spec and writes the
 pickled list of ``FlavorMeasured`` to RESULT, or the exception it raised.
 """
 
@@ -25,7 +25,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -68,18 +68,20 @@ def fork_map(job: Callable[[int], T], count: int, *, workers: int) -> list[T] | 
         _JOB = None
 
 
-def program_map(ref: str, specs: list[StrategySpec], run: Run, whole: bool, flavor: str, *,
+def program_map(ref: str, specs: list[StrategySpec], run: Run, whole: bool, flavor: str | Sequence[str], *,
                 workers: int) -> list[FlavorMeasured]:
-    """Every spec of ``specs`` measured on ``flavor`` by ``workers`` programs of their own (``python -m
-    zerobridge.planning.worker TASK RESULT``: fresh interpreters with their own fake process group, for a
-    process already in a group, which ``fork_map`` declines); ``ref`` names the model again there."""
+    """Every spec of ``specs`` measured on ``flavor`` (or each on its own: one flavor per spec) by ``workers``
+    programs of their own (``python -m zerobridge.planning.worker TASK RESULT``: fresh interpreters with their
+    own fake process group, for a process already in a group, which ``fork_map`` declines); ``ref`` names the
+    model again there."""
+    flavors = [flavor] * len(specs) if isinstance(flavor, str) else list(flavor)
     count = max(1, min(workers, len(specs)))
     batches = [list(range(i, len(specs), count)) for i in range(count)]
     with tempfile.TemporaryDirectory(prefix="zerobridge-plan-") as folder:
         started = []
         for n, batch in enumerate(batches):
             task, result = Path(folder, f"task{n}.pkl"), Path(folder, f"result{n}.pkl")
-            task.write_bytes(pickle.dumps((ref, [specs[i] for i in batch], run, whole, flavor)))
+            task.write_bytes(pickle.dumps((ref, [(specs[i], flavors[i]) for i in batch], run, whole)))
             with open(Path(folder, f"err{n}.log"), "wb") as err:  # a file: a full pipe would block the worker
                 started.append((subprocess.Popen([sys.executable, "-m", "zerobridge.planning.worker", str(task),
                                                   str(result)], stdout=subprocess.DEVNULL, stderr=err), result))
@@ -100,9 +102,9 @@ def program_map(ref: str, specs: list[StrategySpec], run: Run, whole: bool, flav
 
 def main(task: Path, result: Path) -> int:
     """Measure the specs of ``task``; 0 when every one was measured, 1 when one raised (pickled too)."""
-    ref, specs, run, whole, flavor = pickle.loads(task.read_bytes())
+    ref, jobs, run, whole = pickle.loads(task.read_bytes())
     try:
-        value: object = [measure_flavor_ref(ref, spec, run, whole, flavor) for spec in specs]
+        value: object = [measure_flavor_ref(ref, spec, run, whole, flavor) for spec, flavor in jobs]
         code = 0
     except Exception as exc:  # the caller raises it again, as if measured in its own process
         value, code = exc, 1
