@@ -1,13 +1,15 @@
 """Each flavor's planned peak against that flavor's real peak: the table under "Flavors" in docs/plan.md.
 
-    python bench/plan_flavors.py          # about 4 min on 2 CPU cores; bench/results/plan_flavors.json
+    python bench/plan_flavors.py          # about 6 min on 2 CPU cores; bench/results/plan_flavors.json
     python bench/plan_flavors.py --models tiny-gpt:20m --world-size 4 -o other.json
+    python bench/plan_flavors.py --flavors deepspeed --candidates zero1 zero1+ac -o stage1.json
 
-Cells: the tiny Llama and a 3-layer Qwen2 config (``QWEN2``), stages 2 and 3
-with and without activation checkpointing, fp32 and bf16, world 2, 2 x 128
-tokens per rank. Real: ``zerobridge.testing.flavor_peaks`` on gloo (real
-DeepSpeed with the JSON ``plan --to deepspeed`` writes, on its CPU
-accelerator; the FSDP2 backend, ZeRO-2 as its closest form), the busier
+Cells: the tiny Llama and a 3-layer Qwen2 config (``QWEN2``), stages 1 to 3
+with and without activation checkpointing (``CANDIDATES``, or ``--candidates``),
+fp32 and bf16, world 2, 2 x 128 tokens per rank. Real:
+``zerobridge.testing.flavor_peaks`` on gloo (real DeepSpeed with the JSON
+``plan --to deepspeed`` writes, on its CPU accelerator; the FSDP2 backend,
+ZeRO-1 and ZeRO-2 as its closest forms), the busier
 rank's peak of the training phases counted by the plan's ``StorageTracker``.
 Planned: ``planning.flavors.measure_flavor`` on fake tensors, the figure
 ``zerobridge plan --flavor`` shows. One launch per flavor and model. A
@@ -38,16 +40,16 @@ MICRO_BATCH, SEQ_LEN = 2, 128
 QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "intermediate_size": 352,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
          "max_position_embeddings": 512, "tie_word_embeddings": True}
-CANDIDATES = ("zero2", "zero3", "zero2+ac", "zero3+ac")
+CANDIDATES = ("zero1", "zero2", "zero3", "zero1+ac", "zero2+ac", "zero3+ac")
 PRECISIONS = ("fp32", "bf16")
 
 
-def _specs(model: str, flavor: str, world: int) -> dict[str, StrategySpec]:
+def _specs(model: str, flavor: str, world: int, names: tuple[str, ...] = CANDIDATES) -> dict[str, StrategySpec]:
     template = resolve_model(model).build()
     made = {c.name: c.spec for c in candidates(template, nodes=1, ranks_per_node=world)}
     out = {}
     for precision in PRECISIONS:
-        for name in CANDIDATES:
+        for name in names:
             spec = with_run_settings(made[name], micro_batch=MICRO_BATCH, accumulation=1, precision=precision).value
             if flavor == "deepspeed":
                 spec = deepspeed_form(spec, template, own=False)[0]
@@ -71,14 +73,14 @@ def _real(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -
     return {k: max(r[k]["train"] for r in ranks) for k in specs}
 
 
-def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -> dict[str, int]:
+def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -> dict[str, int | None]:
+    """The plan's peak per cell; ``None`` where the flavor leaves the candidate out (not modelled)."""
     source = resolve_model(model)
     run = Run(world_size=world, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
-    out = {}
+    out: dict[str, int | None] = {}
     for key, spec in specs.items():
         measured = measure_flavor(source, spec, run, False, flavor).measured
-        assert measured is not None
-        out[key] = max(measured.peaks.get(p, 0) for p in ("forward", "backward", "step"))
+        out[key] = None if measured is None else max(measured.peaks.get(p, 0) for p in ("forward", "backward", "step"))
     return out
 
 
@@ -86,6 +88,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny-llama", "qwen2"], help="names; qwen2 is QWEN2")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--flavors", nargs="+", choices=("deepspeed", "fsdp2"), default=["deepspeed", "fsdp2"])
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
+                        help="the plan's candidate names (zero1, zero2+ac, ...)")
     parser.add_argument("-o", "--output", type=Path, default=REPO / "bench" / "results" / "plan_flavors.json")
     args = parser.parse_args()
     world = args.world_size
@@ -96,14 +101,17 @@ def main() -> None:
         qwen2.write_text(json.dumps(QWEN2))
         for label in args.models:
             model = str(qwen2) if label == "qwen2" else label
-            for flavor in ("deepspeed", "fsdp2"):
-                specs = _specs(model, flavor, world)
+            for flavor in args.flavors:
+                specs = _specs(model, flavor, world, tuple(args.candidates))
                 real, planned = _real(model, flavor, specs, world), _planned(model, flavor, specs, world)
                 for key in specs:
+                    plan_bytes = planned[key]
+                    error = None if plan_bytes is None else plan_bytes / real[key] - 1
                     rows.append({"model": label, "flavor": flavor, "cell": key, "real_bytes": real[key],
-                                 "planned_bytes": planned[key], "error": planned[key] / real[key] - 1})
-                    print(f"{label:>10} {flavor:>9} {key:14} real {real[key] / 2**20:7.1f} MiB  "
-                          f"plan {planned[key] / 2**20:7.1f} MiB  {planned[key] / real[key] - 1:+.1%}", flush=True)
+                                 "planned_bytes": plan_bytes, "error": error})
+                    shown = "not modelled" if plan_bytes is None else f"{plan_bytes / 2**20:7.1f} MiB  {error:+.1%}"
+                    print(f"{label:>10} {flavor:>9} {key:14} real {real[key] / 2**20:7.1f} MiB  plan {shown}",
+                          flush=True)
     result = {"world_size": world, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "rows": rows}
     args.output.write_text(json.dumps(result, indent=2) + "\n")
 

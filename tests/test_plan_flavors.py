@@ -35,8 +35,9 @@ QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_s
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
          "max_position_embeddings": 512, "tie_word_embeddings": True}
 """A Hugging Face architecture the rest of the suite does not build (Qwen2, tied embeddings)."""
-CELLS = {"deepspeed": [("tiny-llama", "zero2", "bf16"), ("tiny-llama", "zero3+ac", "fp32"),
-                       ("qwen2", "zero2+ac", "fp32"), ("qwen2", "zero3", "bf16")],
+CELLS = {"deepspeed": [("tiny-llama", "zero1", "bf16"), ("tiny-llama", "zero2", "bf16"),
+                       ("tiny-llama", "zero3+ac", "fp32"), ("tiny-llama", "zero3+ac", "bf16"),
+                       ("qwen2", "zero1+ac", "fp32"), ("qwen2", "zero2+ac", "fp32"), ("qwen2", "zero3", "bf16")],
          "fsdp2": [("tiny-llama", "zero2", "fp32"), ("tiny-llama", "zero3+ac", "bf16"), ("qwen2", "zero3", "fp32")]}
 """(model, candidate, precision) per flavor; FSDP2's zero2 is its closest form (reshard_after_forward=False)."""
 
@@ -51,7 +52,14 @@ def test_deepspeed_terms() -> None:
     # an fp32 master partition apart from the fp32 parameters; two reduce buckets with overlap_comm
     assert (b.master_copy, b.grad_partition, b.reduce_buckets, b.fp32_grad_copy) == (20_004, 20_004, 8000, 0)
     assert b.resident == 20_004  # stage 2: buckets and partition live per backward, not from setup
-    assert b.adam_temporaries == 20_004  # AdamW on the one flat fp32 partition: a partition-sized temporary
+    # AdamW on the one flat fp32 partition: sqrt and quotient, two partition-sized temporaries at once
+    assert b.adam_temporaries == 2 * 20_004
+    # stage 1 holds stage 2's buffers (gradients moved into the buckets as they are produced)
+    assert buffers_for(fp32 | {"zero_optimization": fp32["zero_optimization"] | {"stage": 1}}, params=10_001,
+                       world_size=2).model_dump() == b.model_dump() | {"stage": 1}
+    # stage 3 flattens the gradient partition for the step: an fp32 copy in an fp32 run too
+    assert buffers_for(fp32 | {"zero_optimization": {"stage": 3}}, params=10_001, world_size=2).fp32_grad_copy \
+        == 20_004
     bf16 = fp32 | {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
                                                                    "stage3_param_persistence_threshold": 10}}
     b = buffers_for(bf16, params=10_000, world_size=4, persistent_params=100)
@@ -68,8 +76,11 @@ def test_targets_name_their_flavor() -> None:
 def test_deepspeed_leaves_out_what_it_does_not_model_and_fsdp2_marks_its_approximations() -> None:
     ds = plan("tiny-gpt", world_size=2, device_memory="1GiB", micro_batch=2, seq_len=16, workers=1,
               flavor="deepspeed")
-    assert {r.name for r in ds.rows} == {"zero2", "zero3", "zero2+ac", "zero3+ac"}
+    assert {r.name for r in ds.rows} == {"zero1", "zero2", "zero3", "zero1+ac", "zero2+ac", "zero3+ac"}
     assert all(r.flavor == "deepspeed" for r in ds.rows) and any("zero0" in n and "stage 0" in n for n in ds.notes)
+    with pytest.raises(ConfigError, match="stage 1 with gradient accumulation"):  # full gradients between boundaries
+        plan("tiny-gpt", world_size=2, device_memory="1GiB", micro_batch=2, seq_len=16, workers=1, accumulation=2,
+             flavor="deepspeed", strategies=["zero1"], only_own=True)
     fsdp = plan("tiny-gpt", world_size=2, device_memory="1GiB", micro_batch=2, seq_len=16, workers=1,
                 flavor="fsdp2", strategies=["zero2"], only_own=True)
     assert fsdp.row("zero2").approximation and "ZeRO-2" in fsdp.row("zero2").approximation[0]

@@ -18,7 +18,10 @@ besides. So a DeepSpeed candidate is measured in two parts (``run_deepspeed``):
    parameter gathers of stage 3 (DeepSpeed's prefetch bucket and
    ``stage3_max_live_parameters`` are written from the same wrap units, one
    unit ahead), the parameters, the Adam moments and the gradient shard, with
-   their lifetimes;
+   their lifetimes. Stage 1 runs stage 2's layout (``_stage1_as_stage2``:
+   DeepSpeed's stage 1 holds stage 2's buffers). The native optimizer step runs
+   uncounted (``NATIVE_STEP``): its temporaries (per-tile fp32 casts, AdamW's
+   on each shard) are the native engine's, and DeepSpeed's own are terms;
 2. fake tensors of DeepSpeed's own buffers are allocated and freed beside it at
    the moments DeepSpeed allocates and frees them, so the tracker counts them
    where they overlap the rest. Each is a named term of ``DeepSpeedBuffers``,
@@ -34,28 +37,36 @@ besides. So a DeepSpeed candidate is measured in two parts (``run_deepspeed``):
      (``grads_in_partition``), kept from the first backward on, in the
      parameters' dtype; during a backward the native engine's own gradient
      shard stands for it. Stage 3's flat gradient partition
-     (``grad_partitions_flat_buffer``), from setup on.
+     (``grad_partitions_flat_buffer``), from setup on, except from the end of a
+     backward to the end of the step, where the native engine's gradient shard
+     holds the same gradients (counting both held them twice through the step).
    - ``reduce_buckets``: stages 1-2 allocate ``reduce_bucket_size`` elements in
      the parameters' dtype when the first gradient of a micro-step is ready
      (``setup_buckets``), twice with ``overlap_comm``, and free them at the end
      of that backward. Stage 3 preallocates one flat bucket at setup
      (``__ipg_bucket_flat_buffer``) and keeps it.
-   - ``fp32_grad_copy``: in a 16-bit run the step casts the gradient
-     partition to fp32 (``single_grad_partition``) for the optimizer.
+   - ``fp32_grad_copy``: the flat fp32 gradient the optimizer steps: in a
+     16-bit run the step casts the gradient partition to fp32
+     (``single_grad_partition``); stage 3 flattens it in fp32 too
+     (``_prepare_fp32_grad_for_sub_group``: ``flatten(...)`` is a copy).
    - ``adam_temporaries``: torch's AdamW steps DeepSpeed's one flat fp32
-     partition, so its temporaries (``exp_avg_sq.sqrt()``) are partition-sized
-     during the step (one counted: fitted, see the field).
+     partition, so its two temporaries (``exp_avg_sq.sqrt()`` and its quotient)
+     are partition-sized, on top of the optimizer state and the fp32 gradient:
+     where a real stage-3 bf16 run peaks (``stage3.py`` ``_optimizer_step``,
+     measured: 30.0 MB above the live bytes after backward on the tiny Llama,
+     the fp32 gradient and two temporaries of 10.0 MB each).
    - ``persistent``: stage-3 parameters of at most
      ``stage3_param_persistence_threshold`` elements stay whole on every rank.
    - DeepSpeed's all-gather bucket allocates nothing of its own.
 
-Calibrated against real DeepSpeed (gloo, CPU accelerator, two AdamW steps,
-``testing/flavor_peaks.py``, ``bench/plan_flavors.py``): tiny Llama at world 2
-and 4, a Qwen2 config and the 20M GPT at world 2, stages 2 and 3, fp32 and
-bf16, with and without activation checkpointing: 31 peaks of 32 within 8.6%,
-one at +10.2% (docs/plan.md has the table; ``tests/test_plan_flavors.py``
-asserts 10% on four). Stages 0 and 1, offload, hybrid and hpZ layouts are not
-modelled: ``run_deepspeed`` refuses them with ``ConfigError``.
+Checked against real DeepSpeed (gloo, CPU accelerator, two AdamW steps,
+``testing/flavor_peaks.py``, ``bench/plan_flavors.py``): the tiny Llama, a
+Qwen2 config and the 20M GPT at world 2, stages 1 to 3, fp32 and bf16, with and
+without activation checkpointing (docs/plan.md has the table and its errors;
+``tests/test_plan_flavors.py`` asserts 10% on a subset). Stage 0 (no ZeRO
+optimizer: DeepSpeed's BF16_Optimizer or the client optimizer), offload,
+hybrid and hpZ layouts are not modelled: ``run_deepspeed`` refuses them with
+``ConfigError``.
 """
 
 from __future__ import annotations
@@ -77,12 +88,14 @@ from zerobridge.planning.models import ModelSource
 from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import ShapeReplay
 from zerobridge.runtime.wrap_units import bucket_sizes
-from zerobridge.spec import OffloadDevice, StrategySpec
+from zerobridge.spec import OffloadDevice, ShardingSpec, StrategySpec
 from zerobridge.translate.deepspeed_write import write_deepspeed
 
 __all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "run_deepspeed"]
 
-MODELLED_STAGES = (2, 3)
+MODELLED_STAGES = (1, 2, 3)
+NATIVE_STEP = "native step"
+"""The tracker's phase for the native engine's own optimizer step: left out of the peaks."""
 
 
 class DeepSpeedBuffers(BaseModel):
@@ -99,9 +112,11 @@ class DeepSpeedBuffers(BaseModel):
     """Stages 1-2: per micro-step, while the backward runs; stage 3: the one flat bucket, from setup on."""
     fp32_grad_copy: int
     adam_temporaries: int = 0
-    """Torch AdamW steps DeepSpeed's one flat fp32 partition, so its temporaries are partition-sized
-    (the native engine steps each parameter's shard apart). ``exp_avg_sq.sqrt() / c`` holds two at
-    once; one is counted, a fitted term: two overshot the measured tiny Llama bf16 peaks by up to 24%."""
+    """Torch AdamW steps DeepSpeed's one flat fp32 partition, so its temporaries are partition-sized:
+    ``denom = exp_avg_sq.sqrt() / c`` holds two at once (the square root and the quotient), both
+    counted. The native engine's own step temporaries (its per-tile fp32 casts and AdamW's on each
+    shard) are not DeepSpeed's: the native step runs uncounted (``NATIVE_STEP``) and these terms
+    stand for DeepSpeed's."""
     persistent: int = 0
 
     @property
@@ -126,7 +141,7 @@ def buffers_for(config: dict[str, Any], *, params: int, world_size: int,
     shared = persistent_params - persistent_params // world_size
     return DeepSpeedBuffers(stage=stage, dtype_bytes=size, master_copy=0 if low else 4 * part,
                             grad_partition=size * part, reduce_buckets=copies * size * bucket,
-                            fp32_grad_copy=4 * part if low else 0, adam_temporaries=4 * part,
+                            fp32_grad_copy=4 * part if low or stage == 3 else 0, adam_temporaries=2 * 4 * part,
                             persistent=size * shared if stage == 3 else 0)
 
 
@@ -141,9 +156,30 @@ def _refuse(spec: StrategySpec) -> None:
     elif spec.sharding.shard_group != "world" or spec.sharding.backward_gather_group is not None:
         why = "hybrid and hpZ groups"
     if why is not None:
-        raise ConfigError(f"{why}: DeepSpeed's memory is modelled for stages 2 and 3 on one group, without "
+        raise ConfigError(f"{why}: DeepSpeed's memory is modelled for stages 1 to 3 on one group, without "
                           "offload", key="--flavor",
                           fix="plan it with --flavor native or fsdp2, or measure it on real DeepSpeed")
+
+
+def _stage1_as_stage2(spec: StrategySpec, config: dict[str, Any]) -> StrategySpec:
+    """The layout whose native run holds what DeepSpeed's stage 1 holds: stage 2's. With ``overlap_comm``
+    or ``contiguous_gradients`` (DeepSpeed's default), DeepSpeed's stage 1 moves each gradient into the
+    reduce bucket as it is produced (the parameter's ``.grad`` becomes a view of the bucket) and copies
+    the rank's own partition into ``grads_in_partition``: the same buffers as stage 2, and no full
+    gradient kept (measured: the same peak as stage 2 in 7 of 8 cells, 1.2% under in the eighth).
+    Without either, or with gradient accumulation (stage 1 reduces at the boundary only, so the full
+    gradients of the other micro-steps stay), it keeps full gradients: not modelled."""
+    zero = config.get("zero_optimization", {})
+    if int(config.get("gradient_accumulation_steps", 1)) > 1:
+        raise ConfigError("stage 1 with gradient accumulation: DeepSpeed keeps every full gradient between "
+                          "boundaries, which the model does not hold", key="--flavor",
+                          fix="plan it with --flavor native, or with --accumulation 1")
+    if not (zero.get("overlap_comm", False) or zero.get("contiguous_gradients", True)):
+        raise ConfigError("stage 1 without overlap_comm or contiguous_gradients: DeepSpeed's memory is modelled "
+                          "for stage 1 with its gradients moved into the reduce buckets", key="--flavor",
+                          fix="plan it with --flavor native, or turn contiguous_gradients on")
+    sharding = ShardingSpec.model_validate(spec.sharding.model_dump() | {"gradients": True})
+    return spec.model_copy(update={"sharding": sharding})
 
 
 def deepspeed_config(spec: StrategySpec, model: nn.Module) -> dict[str, Any]:
@@ -182,13 +218,19 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
     threshold = int(config["zero_optimization"].get("stage3_param_persistence_threshold", 0))
     terms = buffers_for(config, params=sum(p.numel() for p in model.parameters()), world_size=run.world_size,
                         persistent_params=_persistent_params(model, threshold))
+    if terms.stage == 1:
+        spec = _stage1_as_stage2(spec, config)
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
             StorageTracker() as tracker:
         prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=torch.device("cpu"))
         engine = model.__dict__["_zerobridge_engine"]
         assert isinstance(engine, Engine)
         optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
-        held = [torch.empty(terms.resident, dtype=torch.uint8)]
+        # stage 3's flat gradient partition: the native gradient shard stands for it from the end of a
+        # backward until the step frees that shard (counting both held the gradient twice through the step)
+        flat_grads = terms.grad_partition if terms.stage == 3 else 0
+        held = [torch.empty(terms.resident - flat_grads, dtype=torch.uint8)]
+        grad_buffer = [torch.empty(flat_grads, dtype=torch.uint8)]
         buckets: list[torch.Tensor] = []
         armed = [False]
 
@@ -214,18 +256,24 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
                 loss.backward()
                 del loss, tokens
                 buckets.clear()
+                grad_buffer.clear()
                 if terms.stage < 3:
                     partition.append(torch.empty(terms.grad_partition, dtype=torch.uint8))
-            tracker.phase = "step"
-            transient = torch.empty(terms.fp32_grad_copy + terms.adam_temporaries * (run.optimizer == "adamw"),
-                                    dtype=torch.uint8)
+            # the native step's own temporaries are not DeepSpeed's: it runs apart, and DeepSpeed's flat
+            # working set is counted on what it leaves (the optimizer state, the first step's included)
+            tracker.phase = NATIVE_STEP
             optimizer.step()
+            tracker.phase = "step"
+            working = torch.empty(terms.fp32_grad_copy + terms.adam_temporaries * (run.optimizer == "adamw"),
+                                  dtype=torch.uint8)
+            del working
             optimizer.zero_grad(set_to_none=True)
-            del transient
-        del held
+            grad_buffer.append(torch.empty(flat_grads, dtype=torch.uint8))
+        del held, grad_buffer
         memory = engine.memory()
         stats = engine.stats
-    measured = Measured(peaks=dict(tracker.peaks), tiers=dict(memory["tier_bytes"]),
+    peaks = {k: v for k, v in tracker.peaks.items() if k != NATIVE_STEP}
+    measured = Measured(peaks=peaks, tiers=dict(memory["tier_bytes"]),
                         model_states={"params": memory["param_bytes"], "grads": memory["grad_bytes"],
                                       "optimizer": memory["optimizer_bytes"]},
                         comm_bytes={k: int(v) for k, v in stats.bytes.items() if v},

@@ -12,7 +12,7 @@
   runs as the backend's closest form, and the row says which.
 - ``deepspeed``: the native run of the same layout plus DeepSpeed's own buffers
   (``deepspeed_memory``: real DeepSpeed does not run on fake tensors), sized
-  from the JSON ``--to deepspeed`` writes; stages 2 and 3 on one group without
+  from the JSON ``--to deepspeed`` writes; stages 1 to 3 on one group without
   offload; other candidates are left out of that flavor's plan, with the reason.
 
 A candidate a flavor cannot run is ``refused`` with a ``cell`` saying which
