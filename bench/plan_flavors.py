@@ -3,6 +3,7 @@
     python bench/plan_flavors.py          # about 6 min on 2 CPU cores; bench/results/plan_flavors.json
     python bench/plan_flavors.py --models tiny-gpt:20m --world-size 4 -o other.json
     python bench/plan_flavors.py --flavors deepspeed --candidates zero1 zero1+ac -o stage1.json
+    python bench/plan_flavors.py --table bench/results/plan_flavors.json   # docs/plan.md's table, nothing run
 
 Cells: the tiny Llama and a 3-layer Qwen2 config (``QWEN2``), stages 1 to 3
 with and without activation checkpointing (``CANDIDATES``, or ``--candidates``),
@@ -84,6 +85,33 @@ def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int
     return out
 
 
+def table(result: dict[str, Any]) -> str:
+    """The Markdown table docs/plan.md shows, from a results JSON: a row per model, candidate and dtype, each
+    flavor's real peak and its plan's error (``~``: FSDP2 ran its closest form; ``not modelled``: no plan)."""
+    cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    for row in result["rows"]:
+        name, dtype = row["cell"].split("/")
+        cells.setdefault((row["model"], name, dtype), {})[row["flavor"]] = row
+    lines = ["| model | candidate | dtype | real DeepSpeed | DeepSpeed plan | real FSDP2 | FSDP2 plan |",
+             "|---|---|---|---|---|---|---|"]
+    for (model, name, dtype), by_flavor in cells.items():
+        shown = []
+        for flavor in ("deepspeed", "fsdp2"):
+            row = by_flavor.get(flavor)
+            if row is None:
+                shown += ["-", "-"]
+                continue
+            error = "not modelled" if row["error"] is None else f"{row['error']:+.1%}"
+            shown += [f"{row['real_bytes'] / 2**20:.1f} MiB", error]
+        mark = " (FSDP2: ~)" if name.split("+")[0] in ("zero1", "zero2") and "fsdp2" in by_flavor else ""
+        lines.append(f"| {model} | {name}{mark} | {dtype} | " + " | ".join(shown) + " |")
+    errors = [abs(r["error"]) for r in result["rows"] if r["error"] is not None]
+    by = {f: [r["error"] for r in result["rows"] if r["flavor"] == f and r["error"] is not None]
+          for f in ("deepspeed", "fsdp2")}
+    summary = "; ".join(f"{f}: {len(e)} cells, {min(e):+.1%} .. {max(e):+.1%}" for f, e in by.items() if e)
+    return "\n".join(lines) + f"\n\n{len(errors)} planned cells; {summary}\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny-llama", "qwen2"], help="names; qwen2 is QWEN2")
@@ -92,7 +120,12 @@ def main() -> None:
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
                         help="the plan's candidate names (zero1, zero2+ac, ...)")
     parser.add_argument("-o", "--output", type=Path, default=REPO / "bench" / "results" / "plan_flavors.json")
+    parser.add_argument("--table", type=Path, metavar="JSON",
+                        help="print the Markdown table of a results JSON (docs/plan.md's) and run nothing")
     args = parser.parse_args()
+    if args.table is not None:
+        print(table(json.loads(args.table.read_text())), end="")
+        return
     world = args.world_size
     os.environ.update(ENV)
     rows: list[dict[str, Any]] = []
@@ -114,6 +147,7 @@ def main() -> None:
                           flush=True)
     result = {"world_size": world, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "rows": rows}
     args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result), end="")
 
 
 if __name__ == "__main__":

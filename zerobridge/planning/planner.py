@@ -30,7 +30,9 @@ The recommendation, for the plan's flavor: among the candidates that fit
 (device peak within ``device_memory``; host bytes of a node's ranks within
 ``host_memory``, when given), the least communication, then exact before a
 flavor's approximation, then the least offloaded, then no
-recomputation, then the smallest peak.
+recomputation, then the smallest peak, then the fewest model-state bytes by
+``explain``'s formula (DeepSpeed's stage 1 holds what its stage 2 holds: the
+tie goes to stage 2).
 
 ``flavor="all"`` measures every candidate on every flavor: ``Plan.columns``
 holds each flavor's rows, ``Plan.left_out`` what each flavor cannot plan and
@@ -151,7 +153,7 @@ class Plan:
         if not fitting:
             return max(rows, key=lambda r: r.margin)
         return min(fitting, key=lambda r: (r.comm_bytes, bool(r.approximation), r.host_bytes, r.recomputes,
-                                           r.device_peak))
+                                           r.device_peak, r.model_state_bytes))
 
     @property
     def recommended(self) -> Row:
