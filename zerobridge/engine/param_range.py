@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ELEMENTWISE", "RangeStep", "ranges", "splits"]
+__all__ = ["ELEMENTWISE", "RangeStep", "elementwise", "ranges", "splits"]
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 """Optimizers (these exact classes, not subclasses, which may read a whole tensor) whose update
@@ -47,9 +47,14 @@ SPLIT_MIN = 1 << 16
 smaller ones add little to a step's peak, and each range is one more optimizer call."""
 
 
+def elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer`` is one of ``ELEMENTWISE``."""
+    return type(optimizer) in ELEMENTWISE
+
+
 def splits(optimizer: torch.optim.Optimizer, numel: int, cap: int) -> bool:
     """A parameter of ``numel`` elements is stepped in ranges of at most ``cap`` by ``optimizer``."""
-    return type(optimizer) in ELEMENTWISE and numel > max(cap, SPLIT_MIN)
+    return elementwise(optimizer) and numel > max(cap, SPLIT_MIN)
 
 
 def ranges(numel: int, *, cap: int) -> list[tuple[int, int]]:

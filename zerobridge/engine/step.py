@@ -16,9 +16,11 @@ and hides their gradients, so the user's ``step()`` moves only the others. So it
 does, in tiles of about 1/``STEP_TILES`` of the shard, for 16-bit gradients the
 optimizer takes in fp32 (``grad_store.py``): each tile's fp32 copies are cast,
 stepped and dropped before the next, so no step holds a whole fp32 gradient copy.
-A parameter larger than a tile is stepped a tile's worth of its elements at a time
-when the optimizer's update is elementwise (AdamW, Adam, SGD: ``param_range.py``),
-so neither its fp32 gradient nor the optimizer's temporaries are ever whole-matrix sized.
+When the optimizer's update is elementwise (AdamW, Adam, SGD: ``param_range.py``)
+gradients already in ``p.grad`` (fp32 training) are stepped in the same tiles, and
+a parameter larger than a tile a tile's worth of its elements at a time: the
+optimizer's temporaries (torch's foreach AdamW makes one per tensor of a call, at
+once) are a tile's, never the shard's or a whole matrix's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from zerobridge.engine.grad_store import Scale, cast_grads, cast_range, drop_gra
 from zerobridge.engine.master import push_master
 from zerobridge.engine.mesh import Mesh
 from zerobridge.engine.nvme_step import StateSwapper, tiles
-from zerobridge.engine.param_range import RangeStep, ranges, splits
+from zerobridge.engine.param_range import RangeStep, elementwise, ranges, splits
 from zerobridge.engine.plan import EnginePlan
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.loss_scale import LossScaler
@@ -200,39 +202,64 @@ class NativeStepper:
         scale_grads(self._grads(), [coef])
         self.scales.append(coef)
 
-    def _step_by_tiles(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step the deferred gradients of ``optimizer``'s parameters a tile at a time: cast the
-        tile, run the optimizer on it alone (every other gradient hidden), drop the casts."""
+    def _given_tiled(self, group: FlatGroup, optimizer: torch.optim.Optimizer) -> bool:
+        """``group``'s gradients, already in ``p.grad`` (fp32, or cast by ``clip_grad_norm_``), are stepped
+        a tile at a time too: its master is not offloaded and the optimizer is elementwise, so one call per
+        tile changes nothing (an optimizer counting its calls would count each tile)."""
+        return not group.pending and group.plan.master_at.tier is OffloadDevice.NONE and elementwise(optimizer)
+
+    def _step_by_tiles(self, optimizer: torch.optim.Optimizer) -> Hidden:
+        """Step the gradients of ``optimizer``'s parameters a tile at a time, every other gradient hidden:
+        deferred ones cast for the tile and dropped after it, the others (``_given_tiled``) as they are.
+        Returns the gradients stepped as they are: hidden from the user's step, put back after it."""
         ids = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
         others = [(p, p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
+        given = {id(p): g for p, g in others}
+        stepped: set[int] = set()
         for param, _ in others:
             param.grad = None
         try:
             for group in self.trainable:
-                if not group.pending or id(group) not in self.awaiting:
+                if id(group) not in self.awaiting or not (group.pending or self._given_tiled(group, optimizer)):
                     continue
+                stepped.update(id(p) for p in group.params)
                 for tile in self._tiles(group, ids):
                     if len(tile) == 1 and splits(optimizer, group.layout.pieces[tile[0]].numel, self.tile_cap):
-                        self._step_in_ranges(optimizer, group, tile[0])
+                        self._step_in_ranges(optimizer, group, tile[0], given.get(id(group.params[tile[0]])))
                         continue
-                    if cast_grads(group, tile, self.scales):
+                    if group.pending:
+                        any_grad = bool(cast_grads(group, tile, self.scales))  # held by the parameters alone
+                    else:
+                        for i in tile:
+                            group.params[i].grad = given.get(id(group.params[i]))
+                        any_grad = any(group.params[i].grad is not None for i in tile)
+                    if any_grad:
                         raw_step(optimizer)
                     for i in tile:
                         group.params[i].grad = None
+        except BaseException:
+            stepped.clear()
+            raise
         finally:
             for param, grad in others:
-                param.grad = grad
+                if id(param) not in stepped:
+                    param.grad = grad
+        return [(p, g) for p, g in others if id(p) in stepped]
 
-    def _step_in_ranges(self, optimizer: torch.optim.Optimizer, group: FlatGroup, index: int) -> None:
+    def _step_in_ranges(self, optimizer: torch.optim.Optimizer, group: FlatGroup, index: int,
+                        given: torch.Tensor | None) -> None:
         """Step parameter ``index`` of ``group``, larger than a tile, a tile's worth of its elements at a time
-        (``param_range.py``: bit-identical for elementwise optimizers)."""
-        if not group.handed[index]:
-            return
+        (``param_range.py``: bit-identical for elementwise optimizers); its gradient ``given``, or deferred."""
         param = group.params[index]
+        if not group.handed[index] or (given is None and not group.pending):
+            return
         with RangeStep(optimizer, param) as stepping:
             for start, stop in ranges(param.numel(), cap=self.tile_cap):
                 with stepping.narrowed(start, stop):
-                    cast_range(group, index, start, stop, self.scales)
+                    if given is None:
+                        cast_range(group, index, start, stop, self.scales)
+                    else:
+                        param.grad = given.reshape(-1)[start:stop]
                     raw_step(optimizer)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> Stash:
@@ -252,8 +279,8 @@ class NativeStepper:
                 self._clip_by_tiles(self.plan.clip_grad_norm)
             else:
                 self.clip_grad_norm(self.plan.clip_grad_norm)
-        if deferred:
-            self._step_by_tiles(optimizer)
+        if self.swapper is None and any(g.pending or self._given_tiled(g, optimizer) for g in self.trainable):
+            return Stash(stepping=True, hidden=self._step_by_tiles(optimizer))
         if self.swapper is None:
             return Stash(stepping=True)
         self._cast_all()
