@@ -1,4 +1,5 @@
-"""DeepSpeed's op builds: one folder per user and torch version by default; stale build locks removed first."""
+"""DeepSpeed's op builds: one folder per user and torch version by default; stale build locks removed first;
+``zerobridge build-ops`` compiles them ahead of a launch and says which it built, found built or could not build."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from zerobridge.backends.deepspeed.extensions import LIVE_S, default_dir, extensions_dir, same_ninja
+from zerobridge.backends.deepspeed.extensions import LIVE_S, build_ops, default_dir, extensions_dir, same_ninja
+from zerobridge.errors import ConfigError
 
 
 def _lock(folder: Path, op: str, age_s: float) -> Path:
@@ -66,3 +68,40 @@ def test_every_process_of_an_environment_builds_with_its_own_ninja(tmp_path: Pat
     env = {"PATH": "/usr/bin", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     extensions_dir(env)
     assert env["PATH"].split(os.pathsep) == [str(venv), "/usr/bin"]
+
+
+def _build_ops(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "zerobridge.cli", "build-ops", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_build_ops_refuses_an_unknown_op() -> None:
+    with pytest.raises(ConfigError, match="unknown DeepSpeed op 'fused_adamw'") as caught:
+        build_ops(["fused_adam", "fused_adamw"])
+    assert "shm_comm, fused_adam, cpu_adam, cpu_adagrad" in (caught.value.fix or "")
+    done = _build_ops("fused_adamw", env=dict(os.environ))
+    assert done.returncode == 2 and "unknown DeepSpeed op 'fused_adamw'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_build_ops_compiles_once_then_finds_the_op_built() -> None:
+    """In the suite's own folder (``make ops`` built it there; otherwise this is its compile): the second
+    call loads what the first left, and says so."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    first = _build_ops("shm_comm", env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = _build_ops("shm_comm", env=env)
+    assert again.returncode == 0 and again.stdout.startswith("shm_comm  already built ("), again.stdout
+    assert (Path(env["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").exists()
+
+
+def test_build_ops_reports_an_op_it_cannot_build_and_exits_1(tmp_path: Path) -> None:
+    """No working compiler: the op's line says why, the exit code is 1, and no traceback."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path), CXX="/bin/false")
+    done = _build_ops("shm_comm", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith("shm_comm  cannot be built here: "), done.stdout
+    assert "Traceback" not in done.stderr

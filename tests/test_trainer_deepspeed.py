@@ -48,6 +48,7 @@ from typing import Any
 import pytest
 from conftest import REPO, corpus_dir, in_original_layout
 
+from zerobridge.backends.deepspeed.extensions import build_ops
 from zerobridge.load import load_spec
 from zerobridge.spec import StrategySpec
 from zerobridge.translate.formats import write
@@ -163,16 +164,11 @@ def needs_cpp_adam(ds: dict[str, Any]) -> bool:
 
 
 def cpp_adam_missing() -> str:
-    """JIT-build (or load from ``$TORCH_EXTENSIONS_DIR``) DeepSpeed's CPU Adam ops once, before the ranks need
-    them; the reason when DeepSpeed cannot build them here, else ``""``."""
-    try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
-
-        CPUAdamBuilder().load()
-        FusedAdamBuilder().load()
-    except Exception as exc:  # no compiler, no headers: DeepSpeed cannot build its optimizer here
-        return f"DeepSpeed cannot build its CPU Adam here: {str(exc).splitlines()[0]}"
-    return ""
+    """Build (or load from ``$TORCH_EXTENSIONS_DIR``) DeepSpeed's CPU Adam ops once, before the ranks need them
+    (``zerobridge build-ops``, as ``make ops`` does ahead of the suite); the reason when DeepSpeed cannot build
+    them here, else ``""``."""
+    failed = [b for b in build_ops(["cpu_adam", "fused_adam"]) if b.error]
+    return f"DeepSpeed cannot build its {failed[0].name} here: {failed[0].error}" if failed else ""
 
 
 def _free_port() -> int:
@@ -342,8 +338,9 @@ def compare(ddp: list[dict[str, Any]], ds: list[dict[str, Any]], stage: int) -> 
 
 def test_deepspeed_builds_its_cpu_adam_here() -> None:
     """DeepSpeed's CPU Adam and FusedAdam (the offload sources' and the optimizer sections' optimizers) build
-    or load from ``$TORCH_EXTENSIONS_DIR``: on a fresh clone this is their compile (about a minute on 2 cores),
-    a cost of its own rather than part of the first source's runs."""
+    or load from ``$TORCH_EXTENSIONS_DIR``. ``make test`` compiles them beside the lint (``make ops``), so here
+    they load; run alone on a fresh clone, this is their compile (about a minute on 2 cores), a cost of its
+    own rather than part of the first source's runs."""
     pytest.importorskip("deepspeed")
     missing = cpp_adam_missing()
     if missing:

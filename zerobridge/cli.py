@@ -30,6 +30,7 @@ had a run that failed (never started or crashed) while the others agree;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -143,6 +144,14 @@ def _parser() -> argparse.ArgumentParser:
     add_checkpoint_parser(sub)
     add_compare_parser(sub)
     add_plan_parser(sub)
+    o = sub.add_parser(
+        "build-ops", help="compile DeepSpeed's C++ ops once, before a launch",
+        description="Compile (or find compiled) the DeepSpeed ops a run here loads, into $TORCH_EXTENSIONS_DIR "
+                    "(default ~/.cache/zerobridge/torch_extensions/torch-VERSION), so no rank compiles them "
+                    "while the others wait. Exit 0 when every op loads, 1 when one cannot be built here.")
+    o.add_argument("ops", nargs="*", metavar="OP",
+                   help="shm_comm, fused_adam, cpu_adam, cpu_adagrad (default: every one this accelerator has)")
+    o.add_argument("--jobs", type=int, default=2, metavar="N", help="ops compiled at once (default 2)")
     return p
 
 
@@ -231,8 +240,10 @@ def _model_sizes(model: str, spec: StrategySpec, target: str | None) -> BucketSi
     from zerobridge.planning.models import resolve_model  # lazy: it loads torch (other conversions never do)
     from zerobridge.runtime.wrap_units import bucket_sizes  # lazy: it loads torch
 
-    try:
-        built = resolve_model(model).build()
+    try:  # stdout carries the config: what importing the model's libraries logs goes to stderr (DeepSpeed,
+        # imported by transformers through accelerate, logs its accelerator to stdout)
+        with contextlib.redirect_stdout(sys.stderr):
+            built = resolve_model(model).build()
     except ConfigError as exc:
         raise ConfigError(exc.message, source=exc.source, key="--model", fix=exc.fix) from None
     except Exception as exc:  # a config transformers reads but cannot build a model from
@@ -293,8 +304,21 @@ def _plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def _build_ops(args: argparse.Namespace) -> int:
+    from zerobridge.backends.deepspeed.extensions import build_ops  # lazy: it loads torch and DeepSpeed
+
+    builds = build_ops(args.ops, jobs=args.jobs)
+    width = max(len(b.name) for b in builds)
+    for b in builds:
+        done = (f"cannot be built here: {b.error}" if b.error else
+                f"built in {b.seconds:.1f} s" if b.built else f"already built ({b.seconds:.1f} s to load)")
+        print(f"{b.name:<{width}}  {done}")
+    return 1 if any(b.error for b in builds) else 0
+
+
 _COMMANDS = {"convert": _convert, "explain": _explain, "diff": _diff, "strategies": _strategies, "demo": _demo,
-             "run": _run, "checkpoint": _checkpoint, "compare": _compare, "plan": _plan}
+             "run": _run, "checkpoint": _checkpoint, "compare": _compare, "plan": _plan,
+             "build-ops": _build_ops}
 
 if __name__ == "__main__":
     raise SystemExit(main())

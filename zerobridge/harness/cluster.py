@@ -48,6 +48,7 @@ from contextlib import contextmanager, suppress
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, NoReturn
 
+from zerobridge.backends.deepspeed.extensions import same_ninja
 from zerobridge.harness.zygote import Worker, forking, start_module
 
 __all__ = ["PRELOAD", "Cluster", "RankError", "clusters"]
@@ -217,6 +218,7 @@ class Cluster:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
                    "LOCAL_WORLD_SIZE": str(self.world_size)}
+            same_ninja(env)  # a worker that builds a DeepSpeed op uses the ninja every process here uses
             self._procs.append(_start(env, self.preload))
         try:
             self._collect(_READY, max(self.timeout_s, _STARTUP_MIN_S), "start-up", accepted)

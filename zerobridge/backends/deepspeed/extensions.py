@@ -26,6 +26,12 @@ the ones no process is building under: older than ``LIVE_S`` and no process
 with its working directory or an open file in that folder. ``extensions_dir``
 removes them with a warning that names the file.
 
+``build_ops`` compiles the ops a DeepSpeed run here uses, once, ahead of a
+launch (``zerobridge build-ops``), the way ``DS_BUILD_OPS=1 pip install
+deepspeed`` does at install time: otherwise the first rank to need an op
+builds it while every other rank waits on its lock, inside the launcher's
+timeouts.
+
     >>> import tempfile, pathlib, os, time
     >>> root = pathlib.Path(tempfile.mkdtemp())
     >>> (root / "fused_adam").mkdir(); (root / "fused_adam" / "lock").touch()
@@ -40,10 +46,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LIVE_S", "default_dir", "extensions_dir", "same_ninja", "stale_locks"]
+from zerobridge.errors import ConfigError
+
+__all__ = ["LIVE_S", "OPS", "OpBuild", "build_ops", "default_dir", "extensions_dir", "same_ninja", "stale_locks"]
 
 LIVE_S = 120.0
 """A lock younger than this may belong to a build that has not started ninja yet: never stale."""
@@ -117,3 +128,60 @@ def extensions_dir(environ: MutableMapping[str, str] = os.environ) -> Path:
               f"{lock.parent}; an interrupted first start leaves one, and DeepSpeed would wait on it forever)",
               file=sys.stderr)
     return folder
+
+
+OPS: dict[str, str] = {
+    "shm_comm": "ShareMemCommBuilder",  # the CPU accelerator's shared-memory collectives: every CPU run
+    "fused_adam": "FusedAdamBuilder",  # an "Adam"/"AdamW" optimizer section
+    "cpu_adam": "CPUAdamBuilder",  # ZeRO-Offload of the optimizer (DeepSpeedCPUAdam)
+    "cpu_adagrad": "CPUAdagradBuilder",  # Adagrad with the optimizer offloaded
+}
+"""The DeepSpeed ops a zerobridge run can load, by name: DeepSpeed's op builder class for each."""
+
+
+@dataclass(frozen=True)
+class OpBuild:
+    """One op ``build_ops`` built or found built."""
+
+    name: str
+    """The key in ``OPS``."""
+    seconds: float
+    """Wall time to load it (the compile, when it was not built)."""
+    built: bool
+    """Whether it was compiled now (False: loaded from the folder)."""
+    error: str = ""
+    """Why it could not be built here (no compiler, not on this accelerator); "" when it loaded."""
+
+
+def _build_one(accelerator: Any, folder: Path, name: str) -> OpBuild:
+    builder = accelerator.create_op_builder(OPS[name])
+    if builder is None:
+        return OpBuild(name, 0.0, False, f"DeepSpeed's {accelerator._name} accelerator has no {OPS[name]}")
+    built = not any((folder / builder.name).glob("*.so"))
+    start = time.perf_counter()
+    try:
+        builder.load(verbose=False)
+    except Exception as exc:  # no compiler or headers: DeepSpeed cannot build it here
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        return OpBuild(name, time.perf_counter() - start, False, lines[0])
+    return OpBuild(name, time.perf_counter() - start, built)
+
+
+def build_ops(names: Sequence[str] = (), environ: MutableMapping[str, str] = os.environ,
+              jobs: int = 2) -> list[OpBuild]:
+    """Compile (or load) DeepSpeed's ops ``names`` (default: every one in ``OPS`` this accelerator has) into
+    ``extensions_dir(environ)``, ``jobs`` ops at a time (each compile is its own ninja process, and an op has
+    one or two sources: one op at a time leaves cores idle); one ``OpBuild`` each, in order. An unknown name
+    is a ``ConfigError``."""
+    unknown = [n for n in names if n not in OPS]
+    if unknown:
+        raise ConfigError(f"unknown DeepSpeed op {', '.join(map(repr, unknown))}", key="OP",
+                          fix=f"name one of {', '.join(OPS)} (or none: every one this accelerator has)")
+    folder = extensions_dir(environ)
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as exc:
+        raise ConfigError(f"DeepSpeed is not installed ({exc})", fix="pip install 'zerobridge[deepspeed]'") from None
+    accelerator = get_accelerator()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # threads: each waits on its ninja subprocess
+        return list(pool.map(lambda name: _build_one(accelerator, folder, name), names or list(OPS)))
