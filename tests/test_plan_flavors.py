@@ -35,9 +35,8 @@ QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_s
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
          "max_position_embeddings": 512, "tie_word_embeddings": True}
 """A Hugging Face architecture the rest of the suite does not build (Qwen2, tied embeddings)."""
-CELLS = {"deepspeed": [("tiny-llama", "zero1", "bf16"), ("tiny-llama", "zero2", "bf16"),
-                       ("tiny-llama", "zero3+ac", "fp32"), ("tiny-llama", "zero3+ac", "bf16"),
-                       ("qwen2", "zero1+ac", "fp32"), ("qwen2", "zero2+ac", "fp32"), ("qwen2", "zero3", "bf16")],
+CELLS = {"deepspeed": [("tiny-llama", "zero1", "bf16"), ("tiny-llama", "zero3+ac", "fp32"),
+                       ("tiny-llama", "zero3+ac", "bf16"), ("qwen2", "zero1+ac", "fp32"), ("qwen2", "zero3", "bf16")],
          "fsdp2": [("tiny-llama", "zero2", "fp32"), ("tiny-llama", "zero3+ac", "bf16"), ("qwen2", "zero3", "fp32")]}
 """(model, candidate, precision) per flavor; FSDP2's zero2 is its closest form (reshard_after_forward=False)."""
 
@@ -247,7 +246,8 @@ def fsdp_real(folder: Path) -> Iterator[dict[tuple[str, str, str], int]]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_deepspeed_plan_within_10_percent_of_real_deepspeed(deepspeed_real: dict[Any, int], folder: Path) -> None:
-    """Measured: 31 of 32 cells within 8.6%, one at +10.2% (docs/plan.md); four of them here."""
+    """Measured: 36 of 36 cells within 7.7%, stages 1 to 3 (docs/plan.md); five of them here, among them stage 1
+    (planned on stage 2's layout) and tiny Llama zero3+ac bf16, +10.2% before the step was DeepSpeed's own."""
     errors = {cell: _planned(_model(cell[0], folder), _spec(_model(cell[0], folder), cell[1], cell[2], "deepspeed"),
                              "deepspeed") / real - 1 for cell, real in deepspeed_real.items()}
     assert all(abs(e) <= WITHIN for e in errors.values()), errors
