@@ -85,6 +85,13 @@ def test_deepspeed_leaves_out_what_it_does_not_model_and_fsdp2_marks_its_approxi
     assert fsdp.row("zero2").approximation and "ZeRO-2" in fsdp.row("zero2").approximation[0]
 
 
+def test_deepspeed_fp16_says_it_is_not_checked() -> None:
+    """DeepSpeed's CPU accelerator has no fp16 here: its fp16 figures are bf16's, and the plan says so."""
+    result = plan("tiny-gpt", world_size=2, device_memory="1GiB", micro_batch=2, seq_len=16, workers=1,
+                  precision="fp16", flavor="deepspeed", strategies=["zero2"], only_own=True)
+    assert result.row("zero2").flavor == "deepspeed" and any("fp16 is modelled as bf16" in n for n in result.notes)
+
+
 def test_fsdp2_plans_a_spec_that_skips_non_finite_steps(tmp_path: Path) -> None:
     """A DeepSpeed bf16 config skips steps with inf/NaN gradients; the FSDP2 step's overflow check must not
     read a fake tensor back (it reads as no overflow, as the native engine's does)."""

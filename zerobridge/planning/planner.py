@@ -314,6 +314,9 @@ def plan(model: str | Path | ModelSource | nn.Module, *, world_size: int, device
         for name, cell in refused.items():
             by_reason.setdefault(cell, []).append(name)
         notes += [f"{f} leaves out {', '.join(names)} ({cell}): {why}" for (cell, why), names in by_reason.items()]
+    if precision == "fp16" and columns.get("deepspeed"):
+        notes.append("deepspeed: fp16 is modelled as bf16 (its loss scaler's overflow checks are not), and not "
+                     "checked against real DeepSpeed (its CPU accelerator has no fp16 here)")
     if not columns[primary]:
         first = next(iter(left_out[primary].values()))[1]
         raise ConfigError(f"no candidate can be planned on {primary}: {first}", key="--flavor",
