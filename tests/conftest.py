@@ -94,3 +94,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     over = [nodeid for nodeid, spent in _SPENT.items() if spent > TEST_BUDGET_S]
     if over:
         write(f"over the {TEST_BUDGET_S:.0f} s budget per test: {', '.join(sorted(over))}", yellow=True)
+
+
+# ----------------------------------------------------------------------------- no process group leaks out of a module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_group_left_behind(request: pytest.FixtureRequest) -> Any:
+    """Fail a module that leaves a process group in the pytest process: every later module would inherit it
+    (one did: its in-process ``prepare`` calls started a one-rank group, and a later module's plan then went to
+    a subprocess instead of the monkeypatched in-process path). The group is destroyed after the report, so
+    the modules after it run as they would alone."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.module.__name__} left a process group in the pytest process: destroy it in the "
+                    "module's teardown (torch.distributed.destroy_process_group())", pytrace=False)
