@@ -40,6 +40,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from zerobridge._version import __version__
+from zerobridge.backends.deepspeed.extensions import build_ops
 from zerobridge.checkpoint.cli import add_parser as add_checkpoint_parser
 from zerobridge.checkpoint.cli import run as run_checkpoint
 from zerobridge.checkpoint.storage import atomic_write_file
@@ -151,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
                     "while the others wait. Exit 0 when every op loads, 1 when one cannot be built here.")
     o.add_argument("ops", nargs="*", metavar="OP",
                    help="shm_comm, fused_adam, cpu_adam, cpu_adagrad (default: every one this accelerator has)")
-    o.add_argument("--jobs", type=int, default=2, metavar="N", help="ops compiled at once (default 2)")
+    o.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="ops compiled at once (default 1: each op's sources already compile in parallel)")
     return p
 
 
@@ -305,8 +307,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _build_ops(args: argparse.Namespace) -> int:
-    from zerobridge.backends.deepspeed.extensions import build_ops  # lazy: it loads torch and DeepSpeed
-
     builds = build_ops(args.ops, jobs=args.jobs)
     width = max(len(b.name) for b in builds)
     for b in builds:
