@@ -46,8 +46,7 @@ ops: setup
 	@mkdir -p .cache; $(BIN)/zerobridge build-ops $(OPS) > .cache/build-ops.log 2>&1; \
 	grep -E '^(shm_comm|fused_adam|cpu_adam|cpu_adagrad) ' .cache/build-ops.log || tail -5 .cache/build-ops.log
 
-# Lint, the suite (two modules at once, each on its own pytest process: a module's tests stay together,
-# so its fixtures and process groups are built once), then a short comparison as a CI gate would run it; says how long it all took
+# Lint, the suite, then a short comparison as a CI gate would run it; says how long it all took
 # (setup and lint included). Every pytest run prints its slowest tests and the time per module (tests/conftest.py).
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-steps; code=$$?; \
@@ -55,7 +54,7 @@ test:
 
 test-steps: setup
 	$(MAKE) --no-print-directory -j2 lint ops
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q tests
 	$(BIN)/zerobridge compare --stages 0 3 --steps 3
 
 # The tests that need CUDA/NCCL (streams, pinned reads, device binding, NCCL parity), one rank per GPU;
