@@ -16,6 +16,7 @@ and ``--to`` follow the flavor ``--to`` runs on (native without ``--to``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -92,11 +93,14 @@ def run(args: argparse.Namespace) -> int:
               f"{flavor}'s (--flavor {flavor})", file=sys.stderr)
 
     plan, render, to_json, no_fit_message = planner.plan, report.render, report.to_json, report.no_fit_message
-    result = plan(args.model, world_size=args.world_size, nodes=args.nodes, device_memory=args.device_memory,
-                  host_memory=args.host_memory, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  accumulation=args.accumulation, precision=args.precision, optimizer=args.optimizer,
-                  strategies=args.own, only_own=args.only_own, whole=args.whole, flavor=flavor,
-                  recommend_for=runs_on if flavor == "all" else None)
+    # stdout carries the table, the JSON or the config: what the model's libraries log while it is built
+    # (DeepSpeed, imported by transformers through accelerate, logs its accelerator to stdout) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        result = plan(args.model, world_size=args.world_size, nodes=args.nodes, device_memory=args.device_memory,
+                      host_memory=args.host_memory, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                      accumulation=args.accumulation, precision=args.precision, optimizer=args.optimizer,
+                      strategies=args.own, only_own=args.only_own, whole=args.whole, flavor=flavor,
+                      recommend_for=runs_on if flavor == "all" else None)
     table_out = sys.stderr if args.to is not None and args.output is None else sys.stdout
     if args.json:
         print(json.dumps(to_json(result), indent=2))
@@ -112,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
             from zerobridge.planning.candidates import deepspeed_form  # lazy: it loads torch
             from zerobridge.planning.models import resolve_model  # lazy: it loads torch
 
-            spec, sizes = deepspeed_form(spec, resolve_model(args.model).build(), own=best.own)
+            with contextlib.redirect_stdout(sys.stderr):
+                built = resolve_model(args.model).build()
+            spec, sizes = deepspeed_form(spec, built, own=best.own)
         written = write(spec, args.to, sizes=sizes)
         for entry in written.report.warnings:
             print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
