@@ -279,9 +279,9 @@ class NativeStepper:
                 self._clip_by_tiles(self.plan.clip_grad_norm)
             else:
                 self.clip_grad_norm(self.plan.clip_grad_norm)
-        if self.swapper is None and any(g.pending or self._given_tiled(g, optimizer) for g in self.trainable):
-            return Stash(stepping=True, hidden=self._step_by_tiles(optimizer))
         if self.swapper is None:
+            if any(g.pending or self._given_tiled(g, optimizer) for g in self.trainable):
+                return Stash(stepping=True, hidden=self._step_by_tiles(optimizer))
             return Stash(stepping=True)
         self._cast_all()
         hidden = hide_grads(optimizer, self.param_ids)
