@@ -67,6 +67,29 @@ def test_deepspeed_terms() -> None:
     assert b.resident == 5000 + 2000 + 150
 
 
+def test_a_dtensor_counts_its_local_shard_not_its_global_size() -> None:
+    """A DTensor's own storage has the global size and no memory behind it: counted, the plan's FSDP2
+    column weighed every sharded parameter, gradient and Adam moment N times (a 70B Llama at world 64:
+    994 GB at ZeRO-3 where the native engine plans 160 GB)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    from zerobridge.planning.fake_run import fake_world
+    from zerobridge.planning.tracker import StorageTracker
+
+    with fake_world(4, 4):
+        mesh = init_device_mesh("cpu", (4,))
+        local = torch.zeros(256, 4)  # this rank's shard: 4 KiB of a 16 KiB parameter
+        with StorageTracker() as tracker:
+            tracker.adopt([DTensor.from_local(local, mesh, [Shard(0)], run_check=False)])
+            assert tracker.live == local.nbytes
+            doubled = DTensor.from_local(local, mesh, [Shard(0)], run_check=False) * 2  # a DTensor op's output
+            assert isinstance(doubled, DTensor) and doubled.shape == (1024, 4)
+            assert tracker.live == 2 * local.nbytes
+            del doubled
+            assert tracker.live == local.nbytes
+
+
 def test_targets_name_their_flavor() -> None:
     assert [flavor_for_target(t) for t in ("deepspeed", "trainer-deepspeed", "fsdp2", "accelerate-fsdp", "spec")] \
         == ["deepspeed", "deepspeed", "fsdp2", "fsdp2", "native"]

@@ -17,8 +17,10 @@ the first time it is seen (views and tied tensors share one), and uncounted
 when the storage is freed (a weak reference's callback). A storage grown or
 shrunk in place (``UntypedStorage.resize_``: the engine frees a gathered
 buffer, an offload tier releases its device copy) counts at its new size.
-Storages that existed before the tracker started are not counted unless
-``adopt`` is given them. Bytes are summed over every device: a planning run
+A wrapper subclass (a DTensor) counts the tensors it wraps, not its own
+storage, which has the global size and no memory behind it. Storages that
+existed before the tracker started are not counted unless ``adopt`` is given
+them. Bytes are summed over every device: a planning run
 (``zerobridge.planning``) runs on one device, and the host tier's share is known
 exactly from the engine's accounting.
 
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["PHASES", "StorageTracker"]
@@ -84,11 +86,27 @@ class StorageTracker(TorchDispatchMode):
         if self.live > self.peaks.get(self.phase, 0):
             self.peaks[self.phase] = self.live
 
+    def _count_tensor(self, tensor: torch.Tensor) -> None:
+        """Count what ``tensor`` holds: its storage, or for a wrapper subclass (a DTensor) the storages
+        of the tensors it wraps. A wrapper's own storage has the global size and no memory behind it:
+        counted, a DTensor shard of a 64-way parameter weighed 64 times its bytes."""
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._count_tensor(inner)
+            return
+        try:
+            self._count(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage or inner tensors
+            return
+
     def adopt(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count storages created before the tracker started (once each)."""
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
-                self._count(tensor.untyped_storage())
+                self._count_tensor(tensor)
 
     def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
         key = self._key(storage)
@@ -123,10 +141,7 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for value in tree_leaves(out):
             if isinstance(value, torch.Tensor):
-                try:
-                    self._count(value.untyped_storage())
-                except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
-                    continue
+                self._count_tensor(value)
         return out
 
     @property
