@@ -17,8 +17,9 @@ besides. So a DeepSpeed candidate is measured in two parts (``run_deepspeed``):
    (``fake_run``'s world and ``StorageTracker``): the activations, the
    parameter gathers of stage 3 (DeepSpeed's prefetch bucket and
    ``stage3_max_live_parameters`` are written from the same wrap units, one
-   unit ahead), the parameters, the Adam moments and the gradient shard, with
-   their lifetimes. Stage 1 runs stage 2's layout (``_stage1_as_stage2``:
+   unit ahead; the native run is held to the same live bound), the
+   parameters, the Adam moments and the gradient shard, with their lifetimes.
+   Stage 1 runs stage 2's layout (``_stage1_as_stage2``:
    DeepSpeed's stage 1 holds stage 2's buffers). The native optimizer step runs
    uncounted (``NATIVE_STEP``): its temporaries (per-tile fp32 casts, AdamW's
    on each shard) are the native engine's, and DeepSpeed's own are terms;
@@ -220,6 +221,11 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
                         persistent_params=_persistent_params(model, threshold))
     if terms.stage == 1:
         spec = _stage1_as_stage2(spec, config)
+    live = config["zero_optimization"].get("stage3_max_live_parameters")
+    if terms.stage == 3 and spec.communication.max_live_parameters is None and isinstance(live, int) and live < 2**62:
+        # the bound the writer sized from the model holds the native run's prefetch back as it holds DeepSpeed's
+        spec = spec.model_copy(update={"communication": spec.communication.model_copy(
+            update={"max_live_parameters": live})})
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
             StorageTracker() as tracker:
         prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=torch.device("cpu"))

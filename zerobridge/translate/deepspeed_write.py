@@ -38,7 +38,7 @@ from zerobridge.spec.stage import Stage
 from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
-from zerobridge.translate.deepspeed_buckets import BucketSizes, gathered_ahead, reduce_buffers
+from zerobridge.translate.deepspeed_buckets import BucketSizes, gathered_ahead, gathered_live, reduce_buffers
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Impact, Report, Status, Translation
 from zerobridge.translate.wire import write_deepspeed_wire
@@ -219,7 +219,16 @@ def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], repor
     for name, key in (("max_live_parameters", "stage3_max_live_parameters"),
                       ("max_reuse_distance", "stage3_max_reuse_distance")):
         value = getattr(comm, name)
-        if value is None:
+        if value is None and name == "max_live_parameters" and sharded and sizes is not None \
+                and comm.prefetch_bucket == "per_unit":
+            value = sizes.live
+            report.add("communication.max_live_parameters", Status.APPROXIMATED,
+                       f"FSDP holds the unit it computes and the one it prefetches, then frees them; DeepSpeed "
+                       f"bounds gathered parameters by elements, and without a bound prefetches as far as "
+                       f"stage3_prefetch_bucket_size reaches: sized to {sizes.basis}: "
+                       f"{gathered_live(value, dtype=spec.precision.param_dtype)}",
+                       target=f"zero_optimization.{key}", impact=Impact.MEMORY)
+        elif value is None:
             value = 0 if name == "max_reuse_distance" else 2**62
             if sharded:
                 report.add(f"communication.{name}", Status.EQUIVALENT,
