@@ -1,9 +1,10 @@
-"""Each flavor's planned peak against that flavor's real peak: the table under "Flavors" in docs/plan.md.
+"""Each flavor's planned peak against that flavor's real peak, and each flavor's real peak against the
+native engine's on the same cell: the two tables under "Flavors" in docs/plan.md.
 
     python bench/plan_flavors.py          # about 6 min on 2 CPU cores; bench/results/plan_flavors.json
     python bench/plan_flavors.py --models tiny-gpt:20m --world-size 4 -o other.json
     python bench/plan_flavors.py --flavors deepspeed --candidates zero1 zero1+ac -o stage1.json
-    python bench/plan_flavors.py --table bench/results/plan_flavors.json   # docs/plan.md's table, nothing run
+    python bench/plan_flavors.py --table bench/results/plan_flavors.json   # docs/plan.md's tables, nothing run
 
 Cells: the tiny Llama and a 3-layer Qwen2 config (``QWEN2``), stages 1 to 3
 with and without activation checkpointing (``CANDIDATES``, or ``--candidates``),
@@ -13,8 +14,11 @@ fp32 and bf16, world 2, 2 x 128 tokens per rank. Real:
 ZeRO-1 and ZeRO-2 as its closest forms), the busier
 rank's peak of the training phases counted by the plan's ``StorageTracker``.
 Planned: ``planning.flavors.measure_flavor`` on fake tensors, the figure
-``zerobridge plan --flavor`` shows. One launch per flavor and model. A
-script, not a test (``tests/test_plan_flavors.py`` asserts a subset).
+``zerobridge plan --flavor`` shows. Native: the native engine's real peak on
+the same cell (``zerobridge.testing.plan_measure``, the same counter), the
+denominator of the cross-flavor table (``--native``, on by default). One
+launch per flavor and model. A script, not a test
+(``tests/test_plan_flavors.py`` asserts a subset).
 """
 
 from __future__ import annotations
@@ -74,6 +78,19 @@ def _real(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -
     return {k: max(r[k]["train"] for r in ranks) for k in specs}
 
 
+def _native(model: str, world: int, names: tuple[str, ...]) -> dict[str, int]:
+    """The native engine's real peak of the training phases per cell, the busier rank's."""
+    specs = _specs(model, "native", world, names)
+    out: dict[str, int] = {}
+    with Cluster(world, timeout_s=900) as cluster:
+        for key, spec in specs.items():
+            ranks: list[Any] = cluster.run("zerobridge.testing.plan_measure:measure", model=model,
+                                           spec=spec.model_dump(mode="json"), micro_batch=MICRO_BATCH,
+                                           seq_len=SEQ_LEN)
+            out[key] = max(max(r["peaks"].get(p, 0) for p in ("forward", "backward", "step")) for r in ranks)
+    return out
+
+
 def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -> dict[str, int | None]:
     """The plan's peak per cell; ``None`` where the flavor leaves the candidate out (not modelled)."""
     source = resolve_model(model)
@@ -109,7 +126,29 @@ def table(result: dict[str, Any]) -> str:
     by = {f: [r["error"] for r in result["rows"] if r["flavor"] == f and r["error"] is not None]
           for f in ("deepspeed", "fsdp2")}
     summary = "; ".join(f"{f}: {len(e)} cells, {min(e):+.1%} .. {max(e):+.1%}" for f, e in by.items() if e)
-    return "\n".join(lines) + f"\n\n{len(errors)} planned cells; {summary}\n"
+    return "\n".join(lines) + f"\n\n{len(errors)} planned cells; {summary}\n" + cross_table(result)
+
+
+def cross_table(result: dict[str, Any]) -> str:
+    """Each flavor's real peak ÷ the native engine's real peak on the same cell (empty without native)."""
+    native = result.get("native", {})
+    if not native:
+        return ""
+    ratios: dict[tuple[str, str], dict[str, float]] = {}
+    for row in result["rows"]:
+        base = native.get(row["model"], {}).get(row["cell"])
+        if base:
+            ratios.setdefault((row["model"], row["cell"]), {})[row["flavor"]] = row["real_bytes"] / base
+    lines = ["", "| model | candidate | dtype | real native | DeepSpeed ÷ native | FSDP2 ÷ native |",
+             "|---|---|---|---|---|---|"]
+    for (model, cell), by in ratios.items():
+        name, dtype = cell.split("/")
+        shown = [f"{by[f]:.2f}x" if f in by else "-" for f in ("deepspeed", "fsdp2")]
+        base = f"{native[model][cell] / 2**20:.1f} MiB"
+        lines.append(f"| {model} | {name} | {dtype} | {base} | " + " | ".join(shown) + " |")
+    spans = "; ".join(f"{f}: {min(v):.2f}x .. {max(v):.2f}x over {len(v)} cells"
+                      for f in ("deepspeed", "fsdp2") if (v := [r[f] for r in ratios.values() if f in r]))
+    return "\n".join(lines) + f"\n\nreal peak ÷ native's: {spans}\n"
 
 
 def main() -> None:
@@ -119,6 +158,8 @@ def main() -> None:
     parser.add_argument("--flavors", nargs="+", choices=("deepspeed", "fsdp2"), default=["deepspeed", "fsdp2"])
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
                         help="the plan's candidate names (zero1, zero2+ac, ...)")
+    parser.add_argument("--no-native", dest="native", action="store_false",
+                        help="leave out the native engine's real runs (and the cross-flavor table)")
     parser.add_argument("-o", "--output", type=Path, default=REPO / "bench" / "results" / "plan_flavors.json")
     parser.add_argument("--table", type=Path, metavar="JSON",
                         help="print the Markdown table of a results JSON (docs/plan.md's) and run nothing")
@@ -129,11 +170,16 @@ def main() -> None:
     world = args.world_size
     os.environ.update(ENV)
     rows: list[dict[str, Any]] = []
+    native: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as folder:
         qwen2 = Path(folder, "qwen2.json")
         qwen2.write_text(json.dumps(QWEN2))
         for label in args.models:
             model = str(qwen2) if label == "qwen2" else label
+            if args.native:
+                native[label] = _native(model, world, tuple(args.candidates))
+                for key, peak in native[label].items():
+                    print(f"{label:>10} {'native':>9} {key:14} real {peak / 2**20:7.1f} MiB", flush=True)
             for flavor in args.flavors:
                 specs = _specs(model, flavor, world, tuple(args.candidates))
                 real, planned = _real(model, flavor, specs, world), _planned(model, flavor, specs, world)
@@ -145,7 +191,7 @@ def main() -> None:
                     shown = "not modelled" if plan_bytes is None else f"{plan_bytes / 2**20:7.1f} MiB  {error:+.1%}"
                     print(f"{label:>10} {flavor:>9} {key:14} real {real[key] / 2**20:7.1f} MiB  plan {shown}",
                           flush=True)
-    result = {"world_size": world, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "rows": rows}
+    result = {"world_size": world, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "rows": rows, "native": native}
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result), end="")
 
