@@ -66,8 +66,8 @@ def _real(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -
     run = {"model": model, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN}
     if flavor == "deepspeed":
         template = resolve_model(model).build()
-        configs = {k: deepspeed_config(s, template) | {"zero_allow_untested_optimizer": True, "steps_per_print": 2**62}
-                   for k, s in specs.items()}
+        extra = {"zero_allow_untested_optimizer": True, "steps_per_print": 2**62}
+        configs = {k: deepspeed_config(s, template, world) | extra for k, s in specs.items()}
         with Cluster(world, timeout_s=900, env=ENV) as cluster:
             ranks: list[Any] = cluster.run("zerobridge.testing.flavor_peaks:deepspeed_peaks", configs=configs,
                                            recompute=tuple(k for k in configs if "+ac" in k), **run)

@@ -90,6 +90,18 @@ def test_a_dtensor_counts_its_local_shard_not_its_global_size() -> None:
             assert tracker.live == local.nbytes
 
 
+def test_deepspeed_sub_groups_are_cut_as_deepspeed_cuts_them() -> None:
+    from zerobridge.planning.deepspeed_memory import largest_sub_group
+
+    # partitions on 2 ranks: 5, 3, 2, 4, 1; a sub-group closes once it holds 4 or more
+    assert largest_sub_group([10, 5, 4, 8, 1], world_size=2, sub_group_size=4) == 5  # [5] [3, 2] [4] [1]
+    assert largest_sub_group([10, 5, 4, 8, 1], world_size=2, sub_group_size=10**9) == 15  # one group
+    fp32 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    whole, cut = (buffers_for(fp32, params=20_000, world_size=2, sub_group=g) for g in (None, 1000))
+    assert (whole.fp32_grad_copy, whole.adam_temporaries) == (40_000, 80_000)
+    assert (cut.fp32_grad_copy, cut.adam_temporaries) == (4000, 8000)
+
+
 def test_targets_name_their_flavor() -> None:
     assert [flavor_for_target(t) for t in ("deepspeed", "trainer-deepspeed", "fsdp2", "accelerate-fsdp", "spec")] \
         == ["deepspeed", "deepspeed", "fsdp2", "fsdp2", "native"]

@@ -193,17 +193,19 @@ def _bucket_sizing() -> list[str]:
         out.append("\nBuckets are `reduce_bucket_size`, `allgather_bucket_size`, `stage3_prefetch_bucket_size`. "
                    "`tests/test_deepspeed_buckets.py` runs the JSON written with the model from every Accelerate "
                    "FSDP config of the corpus under real DeepSpeed and checks each against the FSDP2 backend's "
-                   "peak on the same model: 1.23x in bf16, 1.38x with both offloads, 1.35x in fp32, 1.50x in bf16 "
-                   "with activation checkpointing (it asserts 1.55x; the JSON above also bounds live parameters at "
-                   "the same size). The buckets are no longer what costs: DeepSpeed's own state is. Between steps "
-                   "it keeps a 16-bit parameter partition and a gradient partition beside the fp32 master and the "
-                   "Adam moments (16P/N bytes in bf16, 20P/N in fp32), where FSDP2 keeps 12P/N (its fp32 shard is "
-                   "the master, its gradients are freed every step); and torch AdamW, stepping DeepSpeed's one flat "
-                   "partition, makes two partition-sized temporaries on top of a flat fp32 gradient copy. On this "
-                   "5M-parameter model at 2 x 128 tokens those terms are a quarter to a half of FSDP2's peak; they "
-                   "shrink relative to it as activations grow. An earlier version of this page gave 0.79x: the "
-                   "counter weighed each FSDP2 DTensor at its global size (N times its shard), which put FSDP2's "
-                   "peaks too high; it now counts the shard a DTensor wraps (`planning/tracker.py`).\n")
+                   "peak on the same model: 1.21x in bf16, 1.29x in bf16 with activation checkpointing, 1.35x in "
+                   "fp32, 1.38x with both offloads (it asserts 1.45x; the JSON above also bounds live parameters "
+                   "and steps in sub-groups at the same unit: `stage3_max_live_parameters`, `sub_group_size`). The "
+                   "buckets are no longer what costs: DeepSpeed's own state is. Between steps it keeps a 16-bit "
+                   "parameter partition and a gradient partition beside the fp32 master and the Adam moments "
+                   "(16P/N bytes in bf16; 20P/N in fp32, where `stage3.py` compares a tensor's `torch.device` "
+                   "with the accelerator's device name, a string, so the branch that lets fp32 parameters serve "
+                   "as their own master never runs), where FSDP2 keeps 12P/N (its fp32 shard is the master, its "
+                   "gradients are freed every step). On this 5M-parameter model at 2 x 128 tokens that is a "
+                   "quarter of FSDP2's peak or more; it shrinks relative to it as activations grow. An earlier "
+                   "version of this page gave 0.79x: the counter weighed each FSDP2 DTensor at its global size "
+                   "(N times its shard), which put FSDP2's peaks too high; it now counts the shard a DTensor "
+                   "wraps (`planning/tracker.py`).\n")
     return out
 
 

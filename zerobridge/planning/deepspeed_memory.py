@@ -55,7 +55,10 @@ besides. So a DeepSpeed candidate is measured in two parts (``run_deepspeed``):
      are partition-sized, on top of the optimizer state and the fp32 gradient:
      where a real stage-3 bf16 run peaks (``stage3.py`` ``_optimizer_step``,
      measured: 30.0 MB above the live bytes after backward on the tiny Llama,
-     the fp32 gradient and two temporaries of 10.0 MB each).
+     the fp32 gradient and two temporaries of 10.0 MB each). At stage 3 both
+     are one sub-group's (``largest_sub_group``): DeepSpeed steps its
+     partition a sub-group at a time, and the JSON written for a known model
+     sizes ``sub_group_size`` to the largest unit's partition.
    - ``persistent``: stage-3 parameters of at most
      ``stage3_param_persistence_threshold`` elements stay whole on every rank.
    - DeepSpeed's all-gather bucket allocates nothing of its own.
@@ -92,7 +95,7 @@ from zerobridge.runtime.wrap_units import bucket_sizes
 from zerobridge.spec import OffloadDevice, ShardingSpec, StrategySpec
 from zerobridge.translate.deepspeed_write import write_deepspeed
 
-__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "run_deepspeed"]
+__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "largest_sub_group", "run_deepspeed"]
 
 MODELLED_STAGES = (1, 2, 3)
 NATIVE_STEP = "native step"
@@ -127,10 +130,27 @@ class DeepSpeedBuffers(BaseModel):
         return held + (self.grad_partition + self.reduce_buckets if self.stage == 3 else 0)
 
 
+def largest_sub_group(numels: list[int], *, world_size: int, sub_group_size: int) -> int:
+    """Partition elements of the largest stage-3 sub-group, cut as DeepSpeed cuts them: parameters in
+    order, each adding its partition (``ceil(numel / world_size)``), a sub-group closed once it holds
+    ``sub_group_size`` or more (so it can pass the size by one parameter's partition)."""
+    parts = [-(-n // world_size) for n in numels]
+    if sub_group_size >= sum(parts):
+        return sum(parts)
+    largest = filled = 0
+    for part in parts:
+        filled += part
+        if filled >= sub_group_size:
+            largest, filled = max(largest, filled), 0
+    return max(largest, filled)
+
+
 def buffers_for(config: dict[str, Any], *, params: int, world_size: int,
-                persistent_params: int = 0) -> DeepSpeedBuffers:
+                persistent_params: int = 0, sub_group: int | None = None) -> DeepSpeedBuffers:
     """The terms for a DeepSpeed JSON ``config`` training ``params`` parameters on ``world_size``
-    ranks; ``persistent_params``: stage-3 elements kept whole (at most the persistence threshold each)."""
+    ranks; ``persistent_params``: stage-3 elements kept whole (at most the persistence threshold each);
+    ``sub_group``: the largest stage-3 sub-group's elements (``largest_sub_group``; the whole
+    partition when not given): the step's fp32 gradient copy and AdamW's temporaries are its size."""
     zero = config.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     low = bool(config.get("bf16", {}).get("enabled")) or bool(config.get("fp16", {}).get("enabled"))
@@ -140,9 +160,10 @@ def buffers_for(config: dict[str, Any], *, params: int, world_size: int,
     overlap = bool(zero.get("overlap_comm", stage == 3))
     copies = 2 if overlap and stage < 3 else 1
     shared = persistent_params - persistent_params // world_size
+    stepped = min(part, sub_group) if stage == 3 and sub_group is not None else part
     return DeepSpeedBuffers(stage=stage, dtype_bytes=size, master_copy=0 if low else 4 * part,
                             grad_partition=size * part, reduce_buckets=copies * size * bucket,
-                            fp32_grad_copy=4 * part if low or stage == 3 else 0, adam_temporaries=2 * 4 * part,
+                            fp32_grad_copy=4 * stepped if low or stage == 3 else 0, adam_temporaries=2 * 4 * stepped,
                             persistent=size * shared if stage == 3 else 0)
 
 
@@ -183,9 +204,9 @@ def _stage1_as_stage2(spec: StrategySpec, config: dict[str, Any]) -> StrategySpe
     return spec.model_copy(update={"sharding": sharding})
 
 
-def deepspeed_config(spec: StrategySpec, model: nn.Module) -> dict[str, Any]:
-    """The DeepSpeed JSON ``plan --to deepspeed`` writes for ``spec`` on ``model``."""
-    return write_deepspeed(spec, bucket_sizes(model, spec)).value
+def deepspeed_config(spec: StrategySpec, model: nn.Module, world_size: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON ``plan --to deepspeed`` writes for ``spec`` on ``model`` (on ``world_size`` ranks)."""
+    return write_deepspeed(spec, bucket_sizes(model, spec, world_size=world_size)).value
 
 
 def _persistent_params(model: nn.Module, threshold: int) -> int:
@@ -215,10 +236,13 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
     """Two fake steps of ``spec`` as DeepSpeed would hold them (module docstring), and the terms."""
     _refuse(spec)
     model = source.build(layers)
-    config = deepspeed_config(spec, model)
+    config = deepspeed_config(spec, model, run.world_size)
     threshold = int(config["zero_optimization"].get("stage3_param_persistence_threshold", 0))
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    sub_group = largest_sub_group(numels, world_size=run.world_size,
+                                  sub_group_size=int(config["zero_optimization"].get("sub_group_size", 10**9)))
     terms = buffers_for(config, params=sum(p.numel() for p in model.parameters()), world_size=run.world_size,
-                        persistent_params=_persistent_params(model, threshold))
+                        persistent_params=_persistent_params(model, threshold), sub_group=sub_group)
     if terms.stage == 1:
         spec = _stage1_as_stage2(spec, config)
     live = config["zero_optimization"].get("stage3_max_live_parameters")

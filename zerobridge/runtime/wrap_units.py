@@ -169,11 +169,11 @@ def owners(model: nn.Module, units: list[nn.Module], refs: list[ParamRef]) -> li
     return result
 
 
-def bucket_sizes(model: nn.Module, spec: StrategySpec) -> BucketSizes | None:
+def bucket_sizes(model: nn.Module, spec: StrategySpec, *, world_size: int | None = None) -> BucketSizes | None:
     """DeepSpeed's bucket sizes for ``model`` cut by ``spec.wrapping``: its largest unit's parameter
-    count (tied parameters once, in the unit that owns them); ``None`` when ``spec`` leaves no bucket
-    to the engine. Every entry point that writes DeepSpeed for a known model calls it. Works on the
-    meta device."""
+    count (tied parameters once, in the unit that owns them), sharded over ``world_size`` ranks (or the
+    spec's, when either is known); ``None`` when ``spec`` leaves no bucket to the engine. Every entry
+    point that writes DeepSpeed for a known model calls it. Works on the meta device."""
     comm = spec.communication
     if "per_unit" not in (comm.reduce_bucket, comm.allgather_bucket, comm.prefetch_bucket):
         return None
@@ -184,4 +184,5 @@ def bucket_sizes(model: nn.Module, spec: StrategySpec) -> BucketSizes | None:
         counts[owner] += ref.numel
     largest = max(range(len(units)), key=counts.__getitem__)
     names = {id(m): name for name, m in model.named_modules()}
-    return BucketSizes.for_unit(counts[largest], unit=names[id(units[largest])])
+    return BucketSizes.for_unit(counts[largest], unit=names[id(units[largest])],
+                                ranks=world_size or spec.sharding.world_size)

@@ -24,7 +24,10 @@ the source's collectives holds and no parameter is larger than a bucket. At
 stage 3 it bounds the gathered parameters the same way
 (``stage3_max_live_parameters``, where the spec sets no bound): FSDP frees a
 unit after use and prefetches one, while DeepSpeed without a bound keeps
-prefetching as far as the prefetch bucket reaches.
+prefetching as far as the prefetch bucket reaches. And it steps the optimizer
+in sub-groups of the largest unit's partition (``sub_group_size``, where the
+spec keeps the default), so that the step's working set is a unit's, as
+FSDP's per-parameter step is, not the whole partition's.
 Counts are rounded up to even: DeepSpeed asserts that
 ``allgather_bucket_size`` is a multiple of 2. Torch-free: the unit is counted
 by ``zerobridge.runtime.wrap_units.bucket_sizes``.
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 from zerobridge.spec import DType
 
-__all__ = ["BucketSizes", "gathered_ahead", "gathered_live", "reduce_buffers", "size_text"]
+__all__ = ["BucketSizes", "gathered_ahead", "gathered_live", "reduce_buffers", "size_text", "stepped_in"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,13 @@ class BucketSizes:
     """The largest wrap unit's parameters, rounded up to even."""
     unit: str
     """Which unit that is (a module name; ``""``: the root), for the report."""
+    ranks: int | None = None
+    """The ranks the model is sharded over, when known: the sub-group is a unit's partition on them."""
 
     @classmethod
-    def for_unit(cls, numel: int, *, unit: str) -> BucketSizes:
-        """Sizes for a largest wrap unit of ``numel`` parameters."""
-        return cls(elements=max(2, numel + numel % 2), unit=unit)
+    def for_unit(cls, numel: int, *, unit: str, ranks: int | None = None) -> BucketSizes:
+        """Sizes for a largest wrap unit of ``numel`` parameters (sharded over ``ranks``, when known)."""
+        return cls(elements=max(2, numel + numel % 2), unit=unit, ranks=ranks)
 
     @property
     def reduce(self) -> int:
@@ -74,6 +79,15 @@ class BucketSizes:
         bound DeepSpeed prefetches as far as the prefetch bucket reaches (tiny Llama, ZeRO-3 bf16,
         world 2: forward peak 73.1 MiB unbounded, 67.6 MiB at this bound; FSDP2 55.4 MiB)."""
         return self.elements
+
+    @property
+    def sub_group(self) -> int:
+        """``sub_group_size`` at stage 3: the largest unit's partition on ``ranks`` ranks (the whole unit
+        when the world size is not known). DeepSpeed steps its flat fp32 partition one sub-group at a
+        time, and the step's flat fp32 gradient copy and a torch optimizer's temporaries are a
+        sub-group's; with the default (1e9) they are the whole partition's, where FSDP steps one
+        parameter at a time."""
+        return max(1, -(-self.elements // (self.ranks or 1)))
 
     @property
     def basis(self) -> str:
@@ -121,3 +135,10 @@ def gathered_live(elements: int, *, dtype: DType | str) -> str:
     held = _dtype(dtype)
     return (f"at most stage3_max_live_parameters gathered parameter elements are kept: "
             f"{size_text(elements * held.num_bytes)} in {held.value}")
+
+
+def stepped_in(elements: int) -> str:
+    """What DeepSpeed's stage-3 step holds at most for a ``sub_group_size`` of ``elements``."""
+    return (f"DeepSpeed steps its partition in sub-groups of at least sub_group_size elements: the step's fp32 "
+            f"gradient copy and a torch AdamW's two temporaries are a sub-group's, "
+            f"{size_text(3 * 4 * elements)} in fp32 for a sub-group of that size")

@@ -38,7 +38,13 @@ from zerobridge.spec.stage import Stage
 from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
-from zerobridge.translate.deepspeed_buckets import BucketSizes, gathered_ahead, gathered_live, reduce_buffers
+from zerobridge.translate.deepspeed_buckets import (
+    BucketSizes,
+    gathered_ahead,
+    gathered_live,
+    reduce_buffers,
+    stepped_in,
+)
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Impact, Report, Status, Translation
 from zerobridge.translate.wire import write_deepspeed_wire
@@ -55,7 +61,7 @@ def write_deepspeed(spec: StrategySpec, sizes: BucketSizes | None = None) -> Tra
     stage = _stage(spec, report)
     zero: dict[str, Any] = {"stage": stage.value}
     _groups(spec, stage, zero, report)
-    _offload(spec, stage, zero, report)
+    _offload(spec, stage, zero, report, sizes)
     _communication(spec, stage, zero, report, sizes)
     write_deepspeed_wire(spec, stage, zero, report)
     _wrapping(spec, stage, zero, report)
@@ -127,7 +133,8 @@ def _groups(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Repo
                    target="zero_optimization.zero_hpz_partition_size")
 
 
-def _offload(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Report) -> None:
+def _offload(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Report,
+             sizes: BucketSizes | None) -> None:
     opt, par = spec.offload.optimizer, spec.offload.parameters
     if opt.enabled:
         section: dict[str, Any] = {"device": opt.device.value, "pin_memory": opt.pin_memory}
@@ -146,6 +153,16 @@ def _offload(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Rep
         zero["offload_param"] = section
         report.add("offload.parameters", Status.EXACT, target="zero_optimization.offload_param")
     zero["sub_group_size"] = spec.offload.sub_group_size
+    default = type(spec.offload).model_fields["sub_group_size"].default
+    if sizes is not None and stage is Stage.PARAMETERS and not opt.enabled and spec.offload.sub_group_size == default:
+        # the source steps one parameter at a time; DeepSpeed's default steps the whole partition at once
+        zero["sub_group_size"] = sizes.sub_group
+        ranks = sizes.ranks
+        report.add("offload.sub_group_size", Status.APPROXIMATED,
+                   f"FSDP steps one parameter at a time; DeepSpeed steps its flat partition in sub-groups: sized "
+                   f"to the partition of {sizes.basis} on {f'{ranks} ranks' if ranks else 'one rank'} "
+                   f"({zero['sub_group_size']:,} elements): {stepped_in(zero['sub_group_size'])}",
+                   target="zero_optimization.sub_group_size", impact=Impact.MEMORY)
 
 
 def _bucket(spec: StrategySpec, stage: Stage, name: str, key: str, report: Report, sizes: BucketSizes | None,

@@ -42,8 +42,8 @@ __all__ = ["SCHEDULING", "DeepSpeedPlan", "build_config", "launch_problems", "re
 
 SCHEDULING = frozenset({
     "communication.reduce_bucket", "communication.allgather_bucket", "communication.prefetch_bucket",
-    "communication.max_live_parameters", "communication.backward_prefetch", "communication.max_inflight_gathers",
-    "wrapping", "checkpoint.format",
+    "communication.max_live_parameters", "offload.sub_group_size", "communication.backward_prefetch",
+    "communication.max_inflight_gathers", "wrapping", "checkpoint.format",
 })
 """Report keys whose approximation changes scheduling, gather granularity or
 DeepSpeed's own checkpoint files, never the numbers trained: run and recorded."""

@@ -87,7 +87,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
         os.environ.setdefault("LOCAL_RANK", "0")
     plan = build_config(spec, world_size=world, allow_approximate=allow_approximate,
                         hidden=hidden_size(model), accelerator=get_accelerator().device_name(),
-                        sizes=bucket_sizes(model, spec))
+                        sizes=bucket_sizes(model, spec, world_size=world))
     bf16 = bool(plan.config["bf16"]["enabled"])
     # bf16: DeepSpeed builds its fp32 masters from the bf16 cast; keep the user's values to restore
     # (a meta-built model replays them instead).
