@@ -259,7 +259,7 @@ def deepspeed_real(folder: Path) -> Iterator[dict[tuple[str, str, str], int]]:
             cells = [c for c in CELLS["deepspeed"] if c[0] == model]
             configs: dict[str, dict[str, Any]] = {}
             for _, name, precision in cells:
-                config = deepspeed_config(_spec(path, name, precision, "deepspeed"), resolve_model(path).build())
+                config = deepspeed_config(_spec(path, name, precision, "deepspeed"), resolve_model(path).build(), WORLD)
                 configs[f"{name}/{precision}"] = config | {"zero_allow_untested_optimizer": True,
                                                            "steps_per_print": 2**62}
             ranks: list[Any] = cluster.run("zerobridge.testing.flavor_peaks:deepspeed_peaks", model=path,
