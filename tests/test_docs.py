@@ -68,7 +68,7 @@ def test_plan_accuracy_block_is_the_committed_results() -> None:
         "rerun `python bench/plan.py --render`"
 
 
-@pytest.mark.parametrize("name", ["compile", "engine_scale", "host_overhead", "mixed_precision"])
+@pytest.mark.parametrize("name", ["compile", "engine_scale", "host_overhead", "mixed_precision", "zero3_overhead"])
 def test_benchmark_block_is_the_committed_results(name: str) -> None:
     """docs/benchmarks.md carries the block bench/NAME.py renders from bench/results/NAME.json."""
     import json
