@@ -20,7 +20,7 @@ leave them to the engine (``translate/deepspeed_buckets.py``):
     >>> from zerobridge.spec import CommunicationSpec, StrategySpec
     >>> spec = StrategySpec(wrapping=EveryModuleWrap(), communication=CommunicationSpec(reduce_bucket="per_unit"))
     >>> bucket_sizes(model, spec)
-    BucketSizes(elements=6, unit='0')
+    BucketSizes(elements=6, unit='0', ranks=None)
     >>> bucket_sizes(model, StrategySpec()) is None       # every bucket stated: nothing to size
     True
 """
