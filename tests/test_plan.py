@@ -148,7 +148,7 @@ def test_meta_built_hf_llama_and_moe(tmp_path: Path) -> None:
     config.mkdir()
     (config / "config.json").write_text(json.dumps(MOE))
     for model in ("tiny-llama", str(config)):
-        result = plan(model, world_size=4, nodes=2, device_memory="2GiB", micro_batch=1, seq_len=64, workers=1)
+        result = plan(model, world_size=4, nodes=2, device_memory="2GiB", micro_batch=1, seq_len=64, workers=2)
         names = {r.name for r in result.rows}
         assert {"zero3-hpz", "zero3-hybrid", "zero2-hybrid+ac"} <= names
         assert result.recommended.fits
