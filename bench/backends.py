@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from zerobridge.compare.report import Comparison
+from zerobridge.compare.runner import RunOutcome
 from zerobridge.explain import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,27 @@ RESULTS = ROOT / "bench" / "results" / "backends.json"
 PLOT = ROOT / "bench" / "results" / "backends.png"
 DOC = ROOT / "docs" / "benchmarks.md"
 SHAPES = {"20m": {"global_batch": 4, "seq_len": 128}, "100m": {"global_batch": 4, "seq_len": 128}}
+
+
+def progress(index: int, total: int, outcome: RunOutcome) -> None:
+    """``run_plan``'s progress callback for the benchmarks: one stderr line per finished run."""
+    state = f"median step {outcome.step_time_s:.3f} s" if outcome.error is None else f"FAILED {outcome.error}"
+    print(f"  [{index + 1}/{total}] {outcome.planned.name:<18} {state}", file=sys.stderr, flush=True)
+
+
+def run_named(comparison: Comparison, name: str) -> RunOutcome:
+    """The run of ``comparison`` named ``name`` (``native/stage3``); exits naming it if it failed."""
+    run = next(r for r in comparison.runs if r.planned.name == name)
+    if run.error is not None:
+        raise SystemExit(f"{name} failed: {run.error}")
+    return run
+
+
+def measured_line(results: dict[str, Any], setup: str) -> str:
+    """A table's first line: date, machine and torch of ``results``, then ``setup``, then its command."""
+    m = results["machine"]
+    return (f"Measured {results['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), torch "
+            f"{m['torch']}; {setup}; `{results['command'].strip()}`.")
 
 
 def machine() -> dict[str, Any]:
@@ -248,10 +270,7 @@ def main() -> int:
         for rep in range(args.reps):
             planned = plan(nproc=2, steps=args.steps, model=f"tiny-gpt:{preset}", **shape)
             print(f"== {preset}, repetition {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
-            reps.append(run_plan(planned, progress=lambda i, n, o: print(
-                f"  [{i + 1}/{n}] {o.planned.name:<18} "
-                + (f"median step {o.step_time_s:.3f} s" if o.error is None else f"FAILED {o.error}"),
-                file=sys.stderr, flush=True)))
+            reps.append(run_plan(planned, progress=progress))
         results["presets"][preset] = {**summarise(reps), **shape}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     tmp = RESULTS.with_suffix(".tmp")

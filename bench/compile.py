@@ -22,10 +22,9 @@ JSON). A script, not a test: it asserts nothing about time.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from backends import ROOT, SHAPES, preset_main, splice  # noqa: F401  (splice: tests render the block)
+from backends import ROOT, SHAPES, measured_line, preset_main, progress, run_named, splice  # noqa: F401  (splice: tests render the block)
 
 from zerobridge.compare.report import Comparison, relative
 from zerobridge.compare.runner import RunOutcome
@@ -34,13 +33,6 @@ from zerobridge.explain import format_bytes
 BEGIN, END = "<!-- bench/compile.py: begin -->", "<!-- bench/compile.py: end -->"
 RESULTS = ROOT / "bench" / "results" / "compile.json"
 DOC = ROOT / "docs" / "benchmarks.md"
-
-
-def _run(comparison: Comparison, name: str) -> RunOutcome:
-    run = next(r for r in comparison.runs if r.planned.name == name)
-    if run.error is not None:
-        raise SystemExit(f"{name} failed: {run.error}")
-    return run
 
 
 def _figures(run: RunOutcome) -> dict[str, Any]:
@@ -58,9 +50,9 @@ def eager_vs_compiled(steps: int) -> dict[str, Any]:
     for compiled in (False, True):
         planned = plan(stages=[0, 3], backends=["native"], nproc=2, steps=steps, model="tiny-gpt:20m",
                        compile=compiled, **shape)
-        runs[compiled] = run_plan(planned, progress=_progress)
+        runs[compiled] = run_plan(planned, progress=progress)
     for stage in (0, 3):
-        eager, compiled_run = (_run(runs[c], f"native/stage{stage}") for c in (False, True))
+        eager, compiled_run = (run_named(runs[c], f"native/stage{stage}") for c in (False, True))
         out[f"stage{stage}"] = {
             "eager": _figures(eager), "compiled": _figures(compiled_run),
             "max_loss_deviation": max(relative(a, b) for a, b in zip(compiled_run.losses, eager.losses)),
@@ -74,25 +66,18 @@ def native_vs_fsdp(preset: str, steps: int) -> dict[str, Any]:
 
     planned = plan(stages=[3], backends=["native", "fsdp"], nproc=2, steps=steps, model=f"tiny-gpt:{preset}",
                    compile=True, **SHAPES[preset])
-    comparison = run_plan(planned, progress=_progress)
-    native, fsdp = _run(comparison, "native/stage3"), _run(comparison, "fsdp/stage3")
+    comparison = run_plan(planned, progress=progress)
+    native, fsdp = run_named(comparison, "native/stage3"), run_named(comparison, "fsdp/stage3")
     return {"params": comparison.params, "native": _figures(native), "fsdp": _figures(fsdp),
             "max_loss_deviation": comparison.max_deviation(), "ok": comparison.ok,
             "time_native_vs_fsdp": native.step_time_s / fsdp.step_time_s,
             "rss_native_vs_fsdp": (native.steps_peak_rss_bytes or 0) / (fsdp.steps_peak_rss_bytes or 1)}
 
 
-def _progress(index: int, total: int, outcome: RunOutcome) -> None:
-    state = f"median step {outcome.step_time_s:.3f} s" if outcome.error is None else f"FAILED {outcome.error}"
-    print(f"  [{index + 1}/{total}] {outcome.planned.name:<16} {state}", file=sys.stderr, flush=True)
-
-
 def table(results: dict[str, Any]) -> str:
     """The Markdown block ``docs/benchmarks.md`` carries between its markers."""
-    m = results["machine"]
-    lines = [f"Measured {results['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), torch "
-             f"{m['torch']}; world 2 (gloo, one thread per rank), {results['steps']} steps per run, inductor on "
-             f"CPU; `{results['command'].strip()}`.", "",
+    lines = [measured_line(results, f"world 2 (gloo, one thread per rank), {results['steps']} steps per run, "
+                                    "inductor on CPU"), "",
              "| native engine, 20M | eager step | compiled step | compiled ÷ eager | max loss difference per step |",
              "|---|---|---|---|---|"]
     for stage, row in results["eager_vs_compiled"].items():

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from backends import ROOT, SHAPES, preset_main, splice  # noqa: F401  (splice: tests render the block)
+from backends import ROOT, SHAPES, measured_line, preset_main, splice  # noqa: F401  (splice: tests render the block)
 
 BEGIN, END = "<!-- bench/mixed_precision.py: begin -->", "<!-- bench/mixed_precision.py: end -->"
 RESULTS = ROOT / "bench" / "results" / "mixed_precision.json"
@@ -83,12 +83,10 @@ def measure(preset: str, steps: int) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     """The Markdown block ``docs/benchmarks.md`` carries between its markers."""
-    m = results["machine"]
     presets = results["presets"]
-    lines = [f"Measured {results['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), torch "
-             f"{m['torch']}; world 2 (gloo), AdamW, {results['steps']} steps, the largest rank's live tensor "
-             f"storages on the last step beyond those alive before the model was built; "
-             f"`{results['command'].strip()}`.", "",
+    lines = [measured_line(results, f"world 2 (gloo), AdamW, {results['steps']} steps, the largest rank's live "
+                                    "tensor storages on the last step beyond those alive before the model was "
+                                    "built"), "",
              "| engine / spec | formula | " + " | ".join(
                  f"{p} ({presets[p]['params'] / 1e6:.0f}M): live after backward ÷ formula | {p}: live at the step "
                  "÷ formula" for p in presets) + " |",

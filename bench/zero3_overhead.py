@@ -21,13 +21,10 @@ script, not a test: it asserts nothing about time.
 from __future__ import annotations
 
 import statistics
-import sys
 from typing import Any
 
-from backends import ROOT, SHAPES, preset_main, splice  # noqa: F401  (splice: tests render the block)
+from backends import ROOT, SHAPES, measured_line, preset_main, progress, run_named, splice  # noqa: F401  (splice: tests render the block)
 
-from zerobridge.compare.report import Comparison
-from zerobridge.compare.runner import RunOutcome
 from zerobridge.explain import format_bytes
 
 BEGIN, END = "<!-- bench/zero3_overhead.py: begin -->", "<!-- bench/zero3_overhead.py: end -->"
@@ -35,18 +32,6 @@ RESULTS = ROOT / "bench" / "results" / "zero3_overhead.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 REPS = 3
 """Repetitions per preset and mode."""
-
-
-def _run(comparison: Comparison, name: str) -> RunOutcome:
-    run = next(r for r in comparison.runs if r.planned.name == name)
-    if run.error is not None:
-        raise SystemExit(f"{name} failed: {run.error}")
-    return run
-
-
-def _progress(index: int, total: int, outcome: RunOutcome) -> None:
-    state = f"median step {outcome.step_time_s:.3f} s" if outcome.error is None else f"FAILED {outcome.error}"
-    print(f"  [{index + 1}/{total}] {outcome.planned.name:<16} {state}", file=sys.stderr, flush=True)
 
 
 def overhead(preset: str, compiled: bool, steps: int) -> dict[str, Any]:
@@ -57,8 +42,8 @@ def overhead(preset: str, compiled: bool, steps: int) -> dict[str, Any]:
     for _ in range(REPS):
         planned = plan(stages=[0, 3], backends=["native"], nproc=2, steps=steps, model=f"tiny-gpt:{preset}",
                        compile=compiled, **SHAPES[preset])
-        comparison = run_plan(planned, progress=_progress)
-        zero, three = _run(comparison, "native/stage0"), _run(comparison, "native/stage3")
+        comparison = run_plan(planned, progress=progress)
+        zero, three = run_named(comparison, "native/stage0"), run_named(comparison, "native/stage3")
         reps.append({"stage0_s": zero.step_time_s, "stage3_s": three.step_time_s,
                      "ratio": three.step_time_s / zero.step_time_s, "ok": comparison.ok,
                      "comm_bytes": {"stage0": sum(zero.comm_bytes.values()),
@@ -69,10 +54,8 @@ def overhead(preset: str, compiled: bool, steps: int) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     """The Markdown block ``docs/benchmarks.md`` carries between its markers."""
-    m = results["machine"]
-    lines = [f"Measured {results['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), torch "
-             f"{m['torch']}; world 2 (gloo, one thread per rank), {results['steps']} steps per run, {REPS} "
-             f"repetitions; `{results['command'].strip()}`.", "",
+    lines = [measured_line(results, f"world 2 (gloo, one thread per rank), {results['steps']} steps per run, "
+                                    f"{REPS} repetitions"), "",
              "| native engine | stage 0 step | ZeRO-3 step | ZeRO-3 ÷ stage 0 (median) | each repetition "
              "| bus bytes/step ZeRO-3 ÷ stage 0 | losses agree |", "|---|---|---|---|---|---|---|"]
     for key, row in results["overhead"].items():
