@@ -37,6 +37,7 @@ from zerobridge.planning.fake_run import Run
 from zerobridge.planning.flavors import measure_flavor
 from zerobridge.planning.models import resolve_model
 from zerobridge.spec import StrategySpec
+from zerobridge.testing.flavor_peaks import TRAINING
 from zerobridge.translate.run_level import with_run_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def _native(model: str, world: int, names: tuple[str, ...]) -> dict[str, int]:
             ranks: list[Any] = cluster.run("zerobridge.testing.plan_measure:measure", model=model,
                                            spec=spec.model_dump(mode="json"), micro_batch=MICRO_BATCH,
                                            seq_len=SEQ_LEN)
-            out[key] = max(max(r["peaks"].get(p, 0) for p in ("forward", "backward", "step")) for r in ranks)
+            out[key] = max(max(r["peaks"].get(p, 0) for p in TRAINING) for r in ranks)
     return out
 
 
@@ -98,7 +99,7 @@ def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int
     out: dict[str, int | None] = {}
     for key, spec in specs.items():
         measured = measure_flavor(source, spec, run, False, flavor).measured
-        out[key] = None if measured is None else max(measured.peaks.get(p, 0) for p in ("forward", "backward", "step"))
+        out[key] = None if measured is None else max(measured.peaks.get(p, 0) for p in TRAINING)
     return out
 
 

@@ -95,6 +95,7 @@ from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import ShapeReplay
 from zerobridge.runtime.wrap_units import bucket_sizes
 from zerobridge.spec import OffloadDevice, ShardingSpec, StrategySpec
+from zerobridge.translate.deepspeed_buckets import UNBOUNDED
 from zerobridge.translate.deepspeed_write import write_deepspeed
 
 __all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "largest_sub_group", "run_deepspeed"]
@@ -136,11 +137,8 @@ def largest_sub_group(numels: list[int], *, world_size: int, sub_group_size: int
     """Partition elements of the largest stage-3 sub-group, cut as DeepSpeed cuts them: parameters in
     order, each adding its partition (``ceil(numel / world_size)``), a sub-group closed once it holds
     ``sub_group_size`` or more (so it can pass the size by one parameter's partition)."""
-    parts = [-(-n // world_size) for n in numels]
-    if sub_group_size >= sum(parts):
-        return sum(parts)
     largest = filled = 0
-    for part in parts:
+    for part in (-(-n // world_size) for n in numels):
         filled += part
         if filled >= sub_group_size:
             largest, filled = max(largest, filled), 0
@@ -247,8 +245,8 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
                         persistent_params=_persistent_params(model, threshold), sub_group=sub_group)
     if terms.stage == 1:
         spec = _stage1_as_stage2(spec, config)
-    live = config["zero_optimization"].get("stage3_max_live_parameters")
-    if terms.stage == 3 and spec.communication.max_live_parameters is None and isinstance(live, int) and live < 2**62:
+    live = config["zero_optimization"].get("stage3_max_live_parameters", UNBOUNDED)
+    if terms.stage == 3 and spec.communication.max_live_parameters is None and live < UNBOUNDED:
         # the bound the writer sized from the model holds the native run's prefetch back as it holds DeepSpeed's
         spec = spec.model_copy(update={"communication": spec.communication.model_copy(
             update={"max_live_parameters": live})})

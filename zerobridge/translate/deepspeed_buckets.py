@@ -39,7 +39,12 @@ from dataclasses import dataclass
 
 from zerobridge.spec import DType
 
-__all__ = ["BucketSizes", "gathered_ahead", "gathered_live", "reduce_buffers", "size_text", "stepped_in"]
+__all__ = ["UNBOUNDED", "BucketSizes", "gathered_ahead", "gathered_live", "reduce_buffers", "size_text", "stepped_in"]
+
+
+UNBOUNDED = 2**62
+"""The element count written for "no bound" (``stage3_max_live_parameters``, the model persistence
+threshold); read back, this or more is no bound."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from zerobridge.spec.checkpoint import CheckpointFormat
 from zerobridge.spec.stage import Stage
 from zerobridge.translate.compilation import read_deepspeed_compile
 from zerobridge.translate.compute_copy import note_layout
+from zerobridge.translate.deepspeed_buckets import UNBOUNDED
 from zerobridge.translate.keys import SourceKeys
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Report, Status, Translation
@@ -256,7 +257,7 @@ def _communication(keys: SourceKeys, stage: Stage) -> dict[str, Any]:
         if value is not None:
             fields[keys.table.row(path).spec.split(".")[1]] = value
         keys.note(path)
-    if "model_persistence_threshold" in fields and fields["model_persistence_threshold"] >= 2**62:
+    if "model_persistence_threshold" in fields and fields["model_persistence_threshold"] >= UNBOUNDED:
         fields["model_persistence_threshold"] = None
     if keys.given("zero_optimization.stage3_param_persitence_threshold"):
         keys.report.add(keys.key("zero_optimization.stage3_param_persitence_threshold"), Status.IGNORED,

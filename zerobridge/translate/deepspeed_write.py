@@ -39,6 +39,7 @@ from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
 from zerobridge.translate.deepspeed_buckets import (
+    UNBOUNDED,
     BucketSizes,
     gathered_ahead,
     gathered_live,
@@ -246,7 +247,7 @@ def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], repor
                        f"{gathered_live(value, dtype=spec.precision.param_dtype)}",
                        target=f"zero_optimization.{key}", impact=Impact.MEMORY)
         elif value is None:
-            value = 0 if name == "max_reuse_distance" else 2**62
+            value = 0 if name == "max_reuse_distance" else UNBOUNDED
             if sharded:
                 report.add(f"communication.{name}", Status.EQUIVALENT,
                            "no bound / no reuse written as " + str(value), target=f"zero_optimization.{key}")
