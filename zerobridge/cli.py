@@ -30,7 +30,6 @@ had a run that failed (never started or crashed) while the others agree;
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
 import sys
@@ -53,6 +52,7 @@ from zerobridge.explain import explain
 from zerobridge.launch import add_run_arguments, launch
 from zerobridge.load import load_spec
 from zerobridge.planning.cli import add_parser as add_plan_parser
+from zerobridge.planning.cli import build_quietly
 from zerobridge.planning.cli import run as run_plan
 from zerobridge.registry import strategies
 from zerobridge.spec import StrategySpec
@@ -239,13 +239,10 @@ def _model_sizes(model: str, spec: StrategySpec, target: str | None) -> BucketSi
     if target != "deepspeed":
         raise ConfigError(f"--model {model} sizes DeepSpeed's buckets, and --to is {target}", key="--model",
                           fix="drop --model, or write --to deepspeed")
-    from zerobridge.planning.models import resolve_model  # lazy: it loads torch (other conversions never do)
-    from zerobridge.runtime.wrap_units import bucket_sizes  # lazy: it loads torch
+    from zerobridge.runtime.wrap_units import bucket_sizes  # lazy: it loads torch (other conversions never do)
 
-    try:  # stdout carries the config: what importing the model's libraries logs goes to stderr (DeepSpeed,
-        # imported by transformers through accelerate, logs its accelerator to stdout)
-        with contextlib.redirect_stdout(sys.stderr):
-            built = resolve_model(model).build()
+    try:  # stdout carries the config
+        built = build_quietly(model)
     except ConfigError as exc:
         raise ConfigError(exc.message, source=exc.source, key="--model", fix=exc.fix) from None
     except Exception as exc:  # a config transformers reads but cannot build a model from

@@ -20,6 +20,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerobridge.checkpoint.storage import atomic_write_file
 from zerobridge.errors import ConfigError
@@ -27,7 +28,20 @@ from zerobridge.translate.formats import TARGETS, write
 from zerobridge.translate.formats import render as render_config
 from zerobridge.translate.run_level import with_run_settings
 
+if TYPE_CHECKING:
+    from torch import nn
+
 __all__ = ["add_parser", "run"]
+
+
+def build_quietly(model: str) -> nn.Module:
+    """The model ``model`` names, built with what its libraries log sent to stderr: a command whose
+    stdout carries a table, JSON or a config (DeepSpeed, imported by transformers through accelerate,
+    logs its accelerator to stdout). ``ConfigError`` as ``resolve_model`` raises it."""
+    from zerobridge.planning.models import resolve_model  # lazy: it loads torch
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return resolve_model(model).build()
 
 
 def _positive(text: str) -> int:
@@ -114,11 +128,8 @@ def run(args: argparse.Namespace) -> int:
         spec, sizes = with_run_settings(best.spec, world_size=args.world_size).value, None
         if args.to == "deepspeed":  # buckets sized for the model, not DeepSpeed's 5e8 defaults
             from zerobridge.planning.candidates import deepspeed_form  # lazy: it loads torch
-            from zerobridge.planning.models import resolve_model  # lazy: it loads torch
 
-            with contextlib.redirect_stdout(sys.stderr):
-                built = resolve_model(args.model).build()
-            spec, sizes = deepspeed_form(spec, built, own=best.own)
+            spec, sizes = deepspeed_form(spec, build_quietly(args.model), own=best.own)
         written = write(spec, args.to, sizes=sizes)
         for entry in written.report.warnings:
             print(f"zerobridge: warning: {entry.key}: {entry.status.value}: {entry.note}", file=sys.stderr)
