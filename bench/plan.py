@@ -138,7 +138,9 @@ CLI = {"qwen2-7m": ["plan", "{qwen}", "--world-size", "2", "--device-memory", "1
                     "--seq-len", "128"],
        "llama-3-70b": ["plan", "llama-3-70b", "--world-size", "64", "--nodes", "8", "--device-memory", "80GiB",
                        "--micro-batch", "1", "--seq-len", "4096"]}
-"""The plans a user types, timed start to exit: every candidate of a small HF config, and issue 31's 70B plan."""
+CLI |= {f"{name} --flavor all": [*argv, "--flavor", "all"] for name, argv in list(CLI.items())}
+"""The plans a user types, timed start to exit: every candidate of a small HF config, and issue 31's 70B plan,
+on the native engine and on every flavor."""
 
 
 def cli_times(checkout: str | None = None) -> dict[str, Any]:
@@ -248,7 +250,7 @@ def table(data: dict[str, Any]) -> str:
         base = data.get("cli_baseline", {})
         lines += ["", "The commands a user types, start to exit (`python bench/plan.py --cli-only"
                   + (f" --baseline <worktree of {base['commit']}>" if base else "")
-                  + f"`, {data['cli_date']}; wall clock on a shared machine: the load average is beside each):", "",
+                  + f"`, {data['cli_date']}; wall clock, the load average beside each):", "",
                   "| command | code | wall | CPU (with workers) | load before / after |", "|---|---|---|---|---|"]
         for name, c in data["cli"].items():
             rows = [(base["commit"], base["figures"][name])] if name in base.get("figures", {}) else []

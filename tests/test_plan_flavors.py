@@ -22,7 +22,15 @@ from zerobridge.harness.cluster import Cluster
 from zerobridge.planning import Plan, plan
 from zerobridge.planning.candidates import candidates, deepspeed_form, with_checkpointing
 from zerobridge.planning.deepspeed_memory import buffers_for, deepspeed_config
-from zerobridge.planning.flavors import FLAVORS, NOT_MODELLED, flavor_for_target
+from zerobridge.planning.fake_run import Run
+from zerobridge.planning.flavors import (
+    FLAVORS,
+    NOT_MODELLED,
+    FlavorMeasured,
+    flavor_for_target,
+    measure_flavor,
+    measure_once,
+)
 from zerobridge.planning.models import resolve_model
 from zerobridge.planning.report import render
 from zerobridge.spec import StrategySpec
@@ -118,6 +126,31 @@ def test_deepspeed_leaves_out_what_it_does_not_model_and_fsdp2_marks_its_approxi
     fsdp = plan("tiny-gpt", world_size=2, device_memory="1GiB", micro_batch=2, seq_len=16, workers=1,
                 flavor="fsdp2", strategies=["zero2"], only_own=True)
     assert fsdp.row("zero2").approximation and "ZeRO-2" in fsdp.row("zero2").approximation[0]
+
+
+def test_fsdp2_runs_one_form_once_with_each_candidates_own_notes() -> None:
+    """ZeRO-1, ZeRO-2 and ZeRO-2 with its optimizer offloaded are one FSDP2 run (as is ZeRO-3 with or without
+    its optimizer offloaded): a plan measures the form once, and each repeat gets the figures a run of its
+    own gives, with its own approximation notes."""
+    model = resolve_model("tiny-gpt").build()
+    names = ("zero1", "zero2", "zero2-offload", "zero3", "zero3-offload-optimizer")
+    made = {c.name: c.spec for c in candidates(model, nodes=1, ranks_per_node=2)}
+    run = Run(world_size=2, nodes=1, micro_batch=2, seq_len=16)
+    specs = [with_run_settings(made[n], micro_batch=2, accumulation=1, precision="bf16").value.model_copy(
+        update={"name": n}) for n in names]
+    source = resolve_model("tiny-gpt")
+    asked: list[str] = []
+
+    def measure(jobs: list[tuple[StrategySpec, str]]) -> list[FlavorMeasured]:
+        asked.extend(str(spec.name) for spec, _ in jobs)
+        return [measure_flavor(source, spec, run, False, flavor) for spec, flavor in jobs]
+
+    once = measure_once([(spec, "fsdp2") for spec in specs], run, measure)
+    assert asked == ["zero1", "zero3"]
+    repeats = (1, 2, 4)
+    assert [once[i] for i in repeats] == [measure_flavor(source, specs[i], run, False, "fsdp2") for i in repeats]
+    assert once[0].approximation != once[1].approximation != once[2].approximation  # each names its own keys
+    assert once[0].measured != once[3].measured and not once[3].approximation
 
 
 def test_deepspeed_fp16_says_it_is_not_checked() -> None:

@@ -77,6 +77,10 @@ class RangeStep:
         self.state: dict[str, Any] = dict(optimizer.state.get(param, {}))
         self.scalars = {k: _copy(v) for k, v in self.state.items() if not self._elementwise(v, self.whole)}
         """The per-parameter values before the step; each range starts from them."""
+        self.flat = self.whole.view(-1)
+        """The parameter's elements in one dimension, each range a slice of it (one view for every range)."""
+        self.flat_state = {k: v.view(-1) for k, v in self.state.items() if self._elementwise(v, self.whole)}
+        """The elementwise state the same way (empty on the first step)."""
 
     @staticmethod
     def _elementwise(value: Any, like: torch.Tensor) -> bool:
@@ -86,9 +90,8 @@ class RangeStep:
     def narrowed(self, start: int, stop: int) -> Iterator[None]:
         """Within the block the optimizer sees the parameter as its elements ``start:stop``
         (a flat view; its gradient must be set to that shape inside the block)."""
-        part = self.whole.view(-1)[start:stop]
-        views = {} if self.fresh else {k: v.view(-1)[start:stop] for k, v in self.state.items()
-                                       if self._elementwise(v, self.whole)}
+        part = self.flat[start:stop]
+        views = {} if self.fresh else {k: v[start:stop] for k, v in self.flat_state.items()}
         self.optimizer.state[self.param] = {**{k: _copy(v) for k, v in self.scalars.items()}, **views}
         self.param.data = part
         try:

@@ -253,13 +253,14 @@ class NativeStepper:
         param = group.params[index]
         if not group.handed[index] or (given is None and not group.pending):
             return
+        flat = None if given is None else given.reshape(-1)
         with RangeStep(optimizer, param) as stepping:
             for start, stop in ranges(param.numel(), cap=self.tile_cap):
                 with stepping.narrowed(start, stop):
-                    if given is None:
+                    if flat is None:
                         cast_range(group, index, start, stop, self.scales)
                     else:
-                        param.grad = given.reshape(-1)[start:stop]
+                        param.grad = flat[start:stop]
                     raw_step(optimizer)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> Stash:

@@ -88,10 +88,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zerobridge.backends.native.prepare import prepare
 from zerobridge.engine import Engine
 from zerobridge.errors import ConfigError
-from zerobridge.planning.fake_run import Measured, Run, fake_world
+from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world
 from zerobridge.planning.fsdp_fake_run import optimizer_for
 from zerobridge.planning.models import ModelSource
-from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import ShapeReplay
 from zerobridge.runtime.wrap_units import bucket_sizes
 from zerobridge.spec import OffloadDevice, ShardingSpec, StrategySpec
@@ -251,7 +250,7 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
         spec = spec.model_copy(update={"communication": spec.communication.model_copy(
             update={"max_live_parameters": live})})
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            StorageTracker() as tracker:
+            FakeRunTracker() as tracker:
         prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=torch.device("cpu"))
         engine = model.__dict__["_zerobridge_engine"]
         assert isinstance(engine, Engine)

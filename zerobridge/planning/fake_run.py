@@ -46,7 +46,7 @@ from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import Replay, ShapeReplay
 from zerobridge.spec import StrategySpec
 
-__all__ = ["Measured", "Run", "fake_world", "run_once", "run_real", "train_two_steps"]
+__all__ = ["FakeRunTracker", "Measured", "Run", "fake_world", "run_once", "run_real", "train_two_steps"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def fake_world(world_size: int, ranks_per_node: int) -> Iterator[None]:
             os.environ["LOCAL_WORLD_SIZE"] = saved
 
 
-class _FakeRunTracker(StorageTracker):
+class FakeRunTracker(StorageTracker):
     """``StorageTracker`` answering fake tensors' device queries itself, as ``FakeTensor`` would.
 
     Autograd asks every gradient's device, and a fake tensor answers in Python (``prim.device``):
@@ -171,7 +171,7 @@ def run_once(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
     ``run``'s world, on fake tensors. ``ConfigError`` when the engine refuses the layout."""
     model = source.build(layers)
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            _FakeRunTracker() as tracker:
+            FakeRunTracker() as tracker:
         return _two_steps(source, model, spec, run, ShapeReplay(model), tracker)
 
 

@@ -27,19 +27,19 @@ and extended, on every flavor alike (``measure``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from zerobridge.errors import ConfigError
 from zerobridge.planning.deepspeed_memory import run_deepspeed
 from zerobridge.planning.fake_run import Measured, Run, run_once
-from zerobridge.planning.fsdp_fake_run import run_fsdp
+from zerobridge.planning.fsdp_fake_run import FsdpForm, fsdp_form, run_fsdp
 from zerobridge.planning.measure import FULL_DEPTH, SHALLOW, extend
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.spec import StrategySpec
 
 __all__ = ["ALL", "FLAVORS", "NOT_EXPRESSIBLE", "NOT_MODELLED", "FlavorMeasured", "flavor_for_target",
-           "flavors_named", "measure_flavor", "measure_flavor_ref"]
+           "flavors_named", "measure_flavor", "measure_flavor_ref", "measure_once"]
 
 FLAVORS = ("native", "fsdp2", "deepspeed")
 """The engines a plan can measure on (``--flavor``)."""
@@ -131,3 +131,30 @@ def measure_flavor(source: ModelSource, spec: StrategySpec, run: Run, whole: boo
 def measure_flavor_ref(ref: str, spec: StrategySpec, run: Run, whole: bool, flavor: str) -> FlavorMeasured:
     """``measure_flavor`` in a worker process: the model named again there (a source does not pickle)."""
     return measure_flavor(resolve_model(ref), spec, run, whole, flavor)
+
+
+def _key(spec: StrategySpec, flavor: str, form: FsdpForm | None) -> str:
+    """What decides a job's figures: FSDP2's form of the spec (``fsdp_form``), else the spec itself."""
+    return f"{flavor}:{form.key if form is not None else spec.model_dump_json()}"
+
+
+def measure_once(jobs: Sequence[tuple[StrategySpec, str]], run: Run,
+                 measure: Callable[[list[tuple[StrategySpec, str]]], list[FlavorMeasured]]) -> list[FlavorMeasured]:
+    """Every (spec, flavor) of ``jobs`` measured, each run that trains alike measured once by ``measure``
+    (FSDP2's closest forms: its ZeRO-1, ZeRO-2 and ZeRO-2 with the optimizer offloaded are one run);
+    a repeat takes that run's figures with its own approximation notes."""
+    forms = [fsdp_form(spec, run) if flavor == "fsdp2" else None for spec, flavor in jobs]
+    first: dict[str, int] = {}
+    owner = [first.setdefault(_key(spec, flavor, form), i) for i, ((spec, flavor), form) in
+             enumerate(zip(jobs, forms))]
+    unique = sorted(set(owner))
+    measured = dict(zip(unique, measure([jobs[i] for i in unique])))
+    out = []
+    for i, o in enumerate(owner):
+        m = measured[o]
+        form, its = forms[i], forms[o]
+        if o != i and form is not None and its is not None:
+            from_model = tuple(n for n in m.approximation if n not in its.notes)  # a merged unit: same model
+            m = replace(m, approximation=form.notes + from_model)
+        out.append(m)
+    return out

@@ -13,7 +13,7 @@
     'sharding'
 
 The same fake world as the native engine's planning run (``fake_run``: rank 0
-of a fake process group, ``FakeTensorMode``, a ``StorageTracker``), but the
+of a fake process group, ``FakeTensorMode``, a ``FakeRunTracker``), but the
 model is prepared by zerobridge's FSDP2 backend (``backends/fsdp``: torch's
 ``fully_shard`` on each wrap unit, its ``MixedPrecisionPolicy`` and
 ``CPUOffloadPolicy``, the backend's accumulation and clipping rules), so the
@@ -32,18 +32,55 @@ on another engine.
 
 from __future__ import annotations
 
+import copy
+import json
+from dataclasses import dataclass
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerobridge.backends.base import backend_of
+from zerobridge.backends.fsdp.assess import assess
 from zerobridge.backends.fsdp.prepare import prepare
-from zerobridge.planning.fake_run import Measured, Run, fake_world, train_two_steps
+from zerobridge.errors import ConfigError
+from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world, train_two_steps
 from zerobridge.planning.models import ModelSource
-from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import ShapeReplay
+from zerobridge.runtime.plan import plan_run, run_fields
 from zerobridge.spec import StrategySpec
 
-__all__ = ["optimizer_for", "run_fsdp"]
+__all__ = ["FsdpForm", "fsdp_form", "optimizer_for", "run_fsdp"]
+
+
+@dataclass(frozen=True)
+class FsdpForm:
+    """What the FSDP2 backend runs for a spec, before it runs."""
+
+    key: str
+    """Everything the backend reads from the spec (``fully_shard``'s form, the run rules, compile), as one
+    string: two specs with the same key train alike on one model and world, so a plan measures the form
+    once (ZeRO-1, ZeRO-2 and ZeRO-2 with its optimizer offloaded are one form)."""
+    notes: tuple[str, ...]
+    """What the form runs differently from the spec (``key: note``), as ``run_fsdp`` returns it, less what
+    only the model shows (a unit merged into its enclosing one)."""
+
+
+def fsdp_form(spec: StrategySpec, run: Run) -> FsdpForm | None:
+    """``spec``'s FSDP2 form on ``run``'s world; ``None`` when the backend refuses it there."""
+    try:
+        rules = plan_run(spec, world_size=run.world_size)
+        assessment = assess(spec, world_size=run.world_size, local_world_size=run.ranks_per_node,
+                            accumulation_steps=rules.accumulation_steps)
+    except ConfigError:
+        return None
+    form = copy.deepcopy(assessment.form)
+    read = {"form": form, "rules": {k: repr(v) for k, v in run_fields(rules).items() if k != "spec"},
+            "compile": spec.compile.model_dump(mode="json")}
+    if rules.accumulation_steps == 1:  # every micro-batch ends a step: when gradients synchronize is moot
+        del read["rules"]["grad_sync"]
+        form.get("training_loop", {}).pop("grad_sync", None)
+    return FsdpForm(json.dumps(read, sort_keys=True, default=repr),
+                    tuple(f"{e.key}: {e.note}" for e in assessment.approximations))
 
 
 def optimizer_for(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
@@ -60,7 +97,7 @@ def run_fsdp(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
     ``ConfigError`` when FSDP2 cannot run the layout even approximately (NVMe)."""
     model = source.build(layers)
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            StorageTracker() as tracker:
+            FakeRunTracker() as tracker:
         optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
         prepared = prepare(model, optimizer, spec, allow_approximate=True, replay=ShapeReplay(model),
                            device=torch.device("cpu"))

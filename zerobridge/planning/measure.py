@@ -1,5 +1,5 @@
-"""One candidate measured: two fake training steps at full depth, or at two shallower depths extended
-along the line to the full depth (what ``planner`` and each ``worker`` process run).
+"""How deep a candidate is measured: at full depth, or at two shallower depths extended along the line to
+the full depth (``flavors.measure_flavor`` runs it, on every flavor alike).
 
     >>> from zerobridge.planning.measure import FULL_DEPTH, SHALLOW
     >>> FULL_DEPTH, SHALLOW
@@ -12,13 +12,9 @@ measures the full depth).
 
 from __future__ import annotations
 
-import warnings
+from zerobridge.planning.fake_run import Measured
 
-from zerobridge.planning.fake_run import Measured, Run, run_once
-from zerobridge.planning.models import ModelSource, resolve_model
-from zerobridge.spec import StrategySpec
-
-__all__ = ["FULL_DEPTH", "SHALLOW", "extend", "measure", "measure_ref"]
+__all__ = ["FULL_DEPTH", "SHALLOW", "extend"]
 
 FULL_DEPTH = 12
 """Models up to this many blocks are measured whole; deeper ones at ``SHALLOW`` depths."""
@@ -39,20 +35,3 @@ def extend(low: Measured, high: Measured, depths: tuple[int, int], full: int) ->
     return Measured(peaks=line(low.peaks, high.peaks), tiers=line(low.tiers, high.tiers),
                     model_states=line(low.model_states, high.model_states),
                     comm_bytes=line(low.comm_bytes, high.comm_bytes), comm_calls=line(low.comm_calls, high.comm_calls))
-
-
-def measure(source: ModelSource, spec: StrategySpec, run: Run, whole: bool = False) -> Measured:
-    """Two fake steps of ``spec`` on ``source``: whole up to ``FULL_DEPTH`` blocks (or ``whole``), else at
-    ``SHALLOW`` depths, extended."""
-    with warnings.catch_warnings():
-        # a plan measures training: a model whose config keeps a KV cache is planned as trained, without it
-        warnings.filterwarnings("ignore", message="activation checkpointing: .* dropped")
-        if whole or source.layers is None or source.layers <= FULL_DEPTH:
-            return run_once(source, spec, run)
-        low, high = (run_once(source, spec, run, layers=d) for d in SHALLOW)
-    return extend(low, high, SHALLOW, source.layers)
-
-
-def measure_ref(ref: str, spec: StrategySpec, run: Run, whole: bool) -> Measured:
-    """``measure`` in a worker process: the model named again there (a source does not pickle)."""
-    return measure(resolve_model(ref), spec, run, whole)

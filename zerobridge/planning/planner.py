@@ -60,7 +60,7 @@ from zerobridge.explain import Explanation, explain
 from zerobridge.load import load_spec_for_world
 from zerobridge.planning.candidates import Candidate, candidates, deepspeed_form
 from zerobridge.planning.fake_run import Measured, Run
-from zerobridge.planning.flavors import ALL, NOT_MODELLED, FlavorMeasured, flavors_named, measure_flavor
+from zerobridge.planning.flavors import ALL, NOT_MODELLED, FlavorMeasured, flavors_named, measure_flavor, measure_once
 from zerobridge.planning.measure import FULL_DEPTH, SHALLOW
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.sizes import parse_bytes
@@ -163,6 +163,12 @@ class Plan:
 
 def _measure_all(model: object, source: ModelSource, jobs: list[tuple[StrategySpec, str]], run: Run,
                  workers: int, whole: bool) -> list[FlavorMeasured]:
+    """Every (spec, flavor) of ``jobs`` measured, each run that trains alike once (``measure_once``)."""
+    return measure_once(jobs, run, lambda unique: _measure_each(model, source, unique, run, workers, whole))
+
+
+def _measure_each(model: object, source: ModelSource, jobs: list[tuple[StrategySpec, str]], run: Run,
+                  workers: int, whole: bool) -> list[FlavorMeasured]:
     """Every (spec, flavor) of ``jobs`` measured; in ``workers`` processes (each holding its own fake process
     group): forked from this one (``worker.fork_map``), else fresh ones when the model is named by a string."""
     if workers <= 1 or len(jobs) < 2:
