@@ -377,10 +377,10 @@ def test_compare_agrees_across_backends_and_matches_one_process(tmp_path: Path,
     for name in ("native/stage3", "fsdp/stage3", "native/stage1"):
         run = next(r for r in data["runs"] if r["name"] == name)
         assert run["live_mismatch"] < 0.05 and run["live_bytes"]["grads"] == run["model_state_bytes"]["grads"]
-    # DeepSpeed at stage 3 allocates a 2 GB reduce bucket (5e8 fp32 elements) whatever the model's size and
-    # writes only the gradients into it: what the process holds stays below its resident set, and beyond the
-    # engine's own report only by the gathered parameters its prefetch cache keeps and the bucket's written
-    # part (4P bytes each) and a few small buffers.
+    # DeepSpeed at stage 3 allocates a flat reduce bucket (the stated 5e8 elements are written at the model's
+    # size: translate/deepspeed_buckets.py) and writes the gradients into it: what the process holds stays below
+    # its resident set, and beyond the engine's own report only by the gathered parameters its prefetch cache
+    # keeps and the bucket (4P bytes each) and a few small buffers.
     ds3 = next(r for r in data["runs"] if r["name"] == "deepspeed/stage3")
     live, own = sum(ds3["live_bytes"].values()), sum(ds3["model_state_bytes"].values())
     assert live <= ds3["peak_rss_bytes"] and own <= live <= own + 2 * 4 * 118_400 + 2**18, (live, own)

@@ -22,10 +22,11 @@ from zerobridge.load import load_spec
 from zerobridge.planning.models import resolve_model
 from zerobridge.runtime.wrap_units import bucket_sizes
 from zerobridge.spec import StrategySpec
+from zerobridge.spec.presets import spec_for_stage
 from zerobridge.translate.deepspeed_buckets import BucketSizes
 from zerobridge.translate.deepspeed_read import read_deepspeed
 from zerobridge.translate.deepspeed_write import write_deepspeed
-from zerobridge.translate.report import Impact
+from zerobridge.translate.report import Impact, Status
 from zerobridge.translate.run_level import with_run_settings
 from zerobridge.translate.sources import parse_json
 
@@ -86,10 +87,10 @@ def test_the_model_sizes_every_bucket_to_its_largest_unit() -> None:
     spec, model = _fsdp(), resolve_model(MODEL).build()
     sizes = bucket_sizes(model, spec)
     # tiny-llama: the root unit (embeddings, head, final norm) outweighs one decoder layer
-    assert sizes == BucketSizes(elements=2 * 4096 * 256 + 256, unit="")
+    total = sum(p.numel() for p in model.parameters())
+    assert sizes == BucketSizes(elements=2 * 4096 * 256 + 256, unit="", model=total)
     # one unit for the whole model (FSDP's default wrap): a bucket holds all of it, as FSDP's one collective does
-    assert bucket_sizes(model, _fsdp("root")) == BucketSizes(elements=sum(p.numel() for p in model.parameters()),
-                                                             unit="")
+    assert bucket_sizes(model, _fsdp("root")) == BucketSizes(elements=total, unit="", model=total)
     t = write_deepspeed(spec, sizes)
     assert [t.value["zero_optimization"][k] for k in BUCKETS] == [sizes.elements] * 3
     entry = t.report.find("communication.reduce_bucket")
@@ -119,10 +120,36 @@ def test_the_model_sizes_every_bucket_to_its_largest_unit() -> None:
 def test_a_stated_bucket_is_kept_and_reads_back() -> None:
     source = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8}}
     spec = read_deepspeed(parse_json(json.dumps(source), "ds.json")).value
-    sizes = BucketSizes.for_unit(1000, unit="layer")
-    assert bucket_sizes(resolve_model(MODEL).build(), spec) is None  # nothing left to the engine
+    sizes = BucketSizes.for_unit(1000, unit="layer")  # the model's size not known
     zero = write_deepspeed(spec, sizes).value["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["allgather_bucket_size"]) == (500_000_000, 200_000_000)
+    assert write_deepspeed(spec).value["zero_optimization"]["reduce_bucket_size"] == 500_000_000
+
+
+def test_a_stated_reduce_bucket_larger_than_the_model_is_written_at_its_size() -> None:
+    """``prepare(model, stage=2, backend="deepspeed")`` states DeepSpeed's 5e8-element reduce bucket, which
+    DeepSpeed preallocates twice with overlap_comm (3.73 GiB in fp32) for a model of 5.0M parameters; every
+    gradient fits one bucket either way, so the bucket is written at the model's size, and reported."""
+    model = resolve_model(MODEL).build()
+    total = sum(p.numel() for p in model.parameters())
+    for stage in (1, 2, 3):
+        spec = spec_for_stage(stage, model)
+        sizes = bucket_sizes(model, spec, world_size=2)
+        assert sizes.model == total + total % 2 and spec.communication.reduce_bucket == 500_000_000
+        t = write_deepspeed(spec, sizes)
+        zero = t.value["zero_optimization"]
+        assert zero["reduce_bucket_size"] == sizes.model
+        assert zero["allgather_bucket_size"] == 500_000_000  # no buffer of its own: kept as stated
+        entry = t.report.find("communication.reduce_bucket")
+        assert entry is not None and entry.impact is Impact.MEMORY and entry.status is Status.EQUIVALENT
+        assert f"more than the model's {sizes.model:,} parameters" in entry.note
+        assert ("3.73 GiB in fp32 stated" if stage < 3 else "1.86 GiB in fp32 stated") in entry.note
+        if stage < 3:  # sub-groups stay DeepSpeed's where the spec leaves no bucket to the engine
+            assert zero["sub_group_size"] == 1_000_000_000
+    # a bucket no larger than the model is the user's choice, kept
+    small = StrategySpec.model_validate(spec.dump() | {"communication": spec.communication.model_dump(mode="json")
+                                                       | {"reduce_bucket": 1000}})
+    assert write_deepspeed(small, bucket_sizes(model, small)).value["zero_optimization"]["reduce_bucket_size"] == 1000
 
 
 def test_the_deepspeed_backend_sizes_them_from_the_model() -> None:

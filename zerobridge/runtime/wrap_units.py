@@ -14,15 +14,13 @@
 A unit's parameters are gathered, reduced and freed together. A parameter
 used by modules of several units (tied weights) belongs to their closest
 common enclosing unit, which is gathered for as long as all of them run.
-``bucket_sizes`` sizes DeepSpeed's buckets to the largest unit, for specs that
-leave them to the engine (``translate/deepspeed_buckets.py``):
+``bucket_sizes`` counts what DeepSpeed's buckets are sized by, the largest unit and
+the whole model (``translate/deepspeed_buckets.py``):
 
     >>> from zerobridge.spec import CommunicationSpec, StrategySpec
     >>> spec = StrategySpec(wrapping=EveryModuleWrap(), communication=CommunicationSpec(reduce_bucket="per_unit"))
     >>> bucket_sizes(model, spec)
-    BucketSizes(elements=6, unit='0', ranks=None)
-    >>> bucket_sizes(model, StrategySpec()) is None       # every bucket stated: nothing to size
-    True
+    BucketSizes(elements=6, unit='0', ranks=None, model=10)
 """
 
 from __future__ import annotations
@@ -169,14 +167,11 @@ def owners(model: nn.Module, units: list[nn.Module], refs: list[ParamRef]) -> li
     return result
 
 
-def bucket_sizes(model: nn.Module, spec: StrategySpec, *, world_size: int | None = None) -> BucketSizes | None:
+def bucket_sizes(model: nn.Module, spec: StrategySpec, *, world_size: int | None = None) -> BucketSizes:
     """DeepSpeed's bucket sizes for ``model`` cut by ``spec.wrapping``: its largest unit's parameter
     count (tied parameters once, in the unit that owns them), sharded over ``world_size`` ranks (or the
-    spec's, when either is known); ``None`` when ``spec`` leaves no bucket to the engine. Every entry
-    point that writes DeepSpeed for a known model calls it. Works on the meta device."""
-    comm = spec.communication
-    if "per_unit" not in (comm.reduce_bucket, comm.allgather_bucket, comm.prefetch_bucket):
-        return None
+    spec's, when either is known), and the whole model's count. Every entry point that writes DeepSpeed
+    for a known model calls it. Works on the meta device."""
     units = unit_modules(model, spec.wrapping)
     refs = collect_params(model)
     counts = [0] * len(units)
@@ -185,4 +180,4 @@ def bucket_sizes(model: nn.Module, spec: StrategySpec, *, world_size: int | None
     largest = max(range(len(units)), key=counts.__getitem__)
     names = {id(m): name for name, m in model.named_modules()}
     return BucketSizes.for_unit(counts[largest], unit=names[id(units[largest])],
-                                ranks=world_size or spec.sharding.world_size)
+                                ranks=world_size or spec.sharding.world_size, model=sum(counts))

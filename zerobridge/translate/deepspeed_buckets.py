@@ -28,6 +28,9 @@ prefetching as far as the prefetch bucket reaches. And it steps the optimizer
 in sub-groups of the largest unit's partition (``sub_group_size``, where the
 spec keeps the default), so that the step's working set is a unit's, as
 FSDP's per-parameter step is, not the whole partition's.
+A bucket the spec states is kept, unless the model is known and the bucket is
+larger than the whole model: the reduce bucket is then written at the model's
+size (the same reductions, without preallocating elements no gradient fills).
 Counts are rounded up to even: DeepSpeed asserts that
 ``allgather_bucket_size`` is a multiple of 2. Torch-free: the unit is counted
 by ``zerobridge.runtime.wrap_units.bucket_sizes``.
@@ -57,11 +60,21 @@ class BucketSizes:
     """Which unit that is (a module name; ``""``: the root), for the report."""
     ranks: int | None = None
     """The ranks the model is sharded over, when known: the sub-group is a unit's partition on them."""
+    model: int | None = None
+    """Every parameter's elements (a tied one once), rounded up to even, when known: no reduction holds
+    more (``capped``)."""
 
     @classmethod
-    def for_unit(cls, numel: int, *, unit: str, ranks: int | None = None) -> BucketSizes:
-        """Sizes for a largest wrap unit of ``numel`` parameters (sharded over ``ranks``, when known)."""
-        return cls(elements=max(2, numel + numel % 2), unit=unit, ranks=ranks)
+    def for_unit(cls, numel: int, *, unit: str, ranks: int | None = None, model: int | None = None) -> BucketSizes:
+        """Sizes for a largest wrap unit of ``numel`` parameters (sharded over ``ranks``, when known) in a
+        model of ``model`` parameters (when known)."""
+        return cls(elements=_even(numel), unit=unit, ranks=ranks, model=None if model is None else _even(model))
+
+    def capped(self, elements: int) -> int | None:
+        """A stated ``reduce_bucket_size`` of ``elements`` cut to the model's size, when it is larger:
+        DeepSpeed preallocates the whole bucket, and every gradient fits one bucket at either size, so
+        the reductions are the same; ``None`` when it is not larger or the model's size is not known."""
+        return self.model if self.model is not None and elements > self.model else None
 
     @property
     def reduce(self) -> int:
@@ -99,6 +112,11 @@ class BucketSizes:
         """The sentence the report gives for these sizes."""
         where = f"'{self.unit}'" if self.unit else "the root module"
         return f"{self.elements:,} elements, the largest wrap unit ({where})"
+
+
+def _even(numel: int) -> int:
+    """``numel`` rounded up to even, at least 2 (DeepSpeed asserts even all-gather buckets)."""
+    return max(2, numel + numel % 2)
 
 
 def size_text(nbytes: float) -> str:

@@ -13,7 +13,9 @@ unknown keys; the keys it removed, ``[removed]`` in ``mappings/deepspeed.toml``,
 make it raise) are never emitted. Buckets the spec leaves to the engine
 (``per_unit``, FSDP's one collective per unit) are sized for the model when
 ``sizes`` is given, else written ``"auto"`` where HF Trainer and Accelerate
-fill them, never as DeepSpeed's 5e8 defaults (``deepspeed_buckets.py``).
+fill them, never as DeepSpeed's 5e8 defaults (``deepspeed_buckets.py``); with
+``sizes``, a stated reduce bucket larger than the whole model is written at the
+model's size (the same reductions, without the preallocated rest).
 """
 
 from __future__ import annotations
@@ -155,7 +157,10 @@ def _offload(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Rep
         report.add("offload.parameters", Status.EXACT, target="zero_optimization.offload_param")
     zero["sub_group_size"] = spec.offload.sub_group_size
     default = type(spec.offload).model_fields["sub_group_size"].default
-    if sizes is not None and stage is Stage.PARAMETERS and not opt.enabled and spec.offload.sub_group_size == default:
+    comm = spec.communication
+    left = "per_unit" in (comm.reduce_bucket, comm.allgather_bucket, comm.prefetch_bucket)  # buckets left to us
+    if sizes is not None and left and stage is Stage.PARAMETERS and not opt.enabled \
+            and spec.offload.sub_group_size == default:
         # the source steps one parameter at a time; DeepSpeed's default steps the whole partition at once
         zero["sub_group_size"] = sizes.sub_group
         ranks = sizes.ranks
@@ -174,7 +179,16 @@ def _bucket(spec: StrategySpec, stage: Stage, name: str, key: str, report: Repor
     prefetch bucket at stage 3), else DeepSpeed's default, which then costs no memory."""
     value = getattr(spec.communication, name)
     if value != "per_unit":
-        return value
+        cap = sizes.capped(value) if sizes is not None and name == "reduce_bucket" and isinstance(value, int) \
+            else None
+        if cap is None:
+            return value
+        report.add(f"communication.{name}", Status.EQUIVALENT,
+                   f"{value:,} elements stated, more than the model's {cap:,} parameters: written as {cap:,}, "
+                   f"the same reductions (every gradient fits one bucket at either size) without preallocating "
+                   f"the rest ({_cost(name, value, stage, spec)} stated; {_cost(name, cap, stage, spec)} written)",
+                   target=f"zero_optimization.{key}", impact=Impact.MEMORY)
+        return cap
     why = "one collective per wrap unit has no DeepSpeed form"
     default = int(load_table(FORMAT).row(f"zero_optimization.{key}").default)
     filled = name == "reduce_bucket" or (name == "prefetch_bucket" and stage is Stage.PARAMETERS)
