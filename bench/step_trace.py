@@ -38,20 +38,26 @@ def _package(filename: str) -> str:
     return "C (kernels, collectives, autograd)" if filename == "~" else "other Python"
 
 
-def worker(backend: str, stage: int, model: str, out: Path) -> None:
-    """One rank of one backend's run (under torchrun); rank 0 writes its figures to ``out``."""
+def worker(backend: str, stage: int, model: str, out: Path, forward_prefetch: bool) -> None:
+    """One rank of one backend's run (under torchrun); rank 0 writes its figures to ``out``. The spec is
+    ``prepare(stage=N)``'s, with ``communication.forward_prefetch`` when asked."""
     import torch
     import torch.distributed as dist
 
     from zerobridge import api
     from zerobridge.compare.workload import resolve_model
     from zerobridge.models import shard
+    from zerobridge.spec.presets import spec_for_stage
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     work = resolve_model(model, global_batch=8, seq_len=16)(0)
-    net, optimizer = api.prepare(work.model, work.optimizer(work.model), stage=stage, backend=backend)
+    spec = spec_for_stage(stage, work.model)
+    if forward_prefetch:
+        spec = spec.model_copy(update={"communication": spec.communication.model_copy(
+            update={"forward_prefetch": True})})
+    net, optimizer = api.prepare(work.model, work.optimizer(work.model), config=spec, backend=backend)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     profile = cProfile.Profile()
 
@@ -102,10 +108,12 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["native", "deepspeed"])
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--model", default="tiny-gpt:20m")
+    parser.add_argument("--forward-prefetch", action="store_true",
+                        help="gather the next unit before each unit's forward (communication.forward_prefetch)")
     parser.add_argument("--worker", nargs=2, metavar=("BACKEND", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], args.stage, args.model, Path(args.worker[1]))
+        worker(args.worker[0], args.stage, args.model, Path(args.worker[1]), args.forward_prefetch)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -113,13 +121,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for backend in args.backends:
             out = Path(folder, f"{backend}.json")
+            extra = ["--forward-prefetch"] if args.forward_prefetch else []
             subprocess.run([str(torchrun), "--nproc_per_node", "2", __file__, "--stage", str(args.stage),
-                            "--model", args.model, "--worker", backend, str(out)], check=True, env=env,
+                            "--model", args.model, *extra, "--worker", backend, str(out)], check=True, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             figures[backend] = json.loads(out.read_text())
     first = args.backends[0]
     print(f"{args.model}, ZeRO-{args.stage}, world 2 (gloo), rank 0, median of {MEASURED} steps after {WARMUP}: "
-          f"`python bench/step_trace.py --backends {' '.join(args.backends)} --stage {args.stage}`\n")
+          f"`python bench/{Path(__file__).name} {' '.join(sys.argv[1:])}`\n")
     print("| phase | " + " | ".join(f"{b} ms" for b in args.backends)
           + "".join(f" | {b} ÷ {first}" for b in args.backends[1:]) + " |")
     print("|---|" + "---:|" * (2 * len(args.backends) - 1))
