@@ -32,7 +32,7 @@ from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_
 from zerobridge.errors import ConfigError
 from zerobridge.load import load_spec
 from zerobridge.spec import StrategySpec
-from zerobridge.translate import trainer_args
+from zerobridge.translate import trainer_optimizer, trainer_schedule
 from zerobridge.translate.report import Status
 from zerobridge.translate.trainer_args import TRAINER_DEFAULTS, TrainerForm, trainer_form_of
 
@@ -391,20 +391,20 @@ def test_the_tables_match_the_installed_classes() -> None:
 
     for cls in _DEEPSPEED_ADAMS:
         d = defaults(cls.__init__)
-        assert {k: d[k] for k in ("lr", "betas", "eps")} == trainer_args._ADAM_DEFAULTS and d["weight_decay"] == 0
+        assert {k: d[k] for k in ("lr", "betas", "eps")} == trainer_optimizer.ADAM_DEFAULTS and d["weight_decay"] == 0
     assert defaults(torch.optim.AdamW.__init__)["weight_decay"] == 0.01
     assert defaults(torch.optim.Adam.__init__)["weight_decay"] == 0
-    for name, (optim, stated, optim_args, _) in trainer_args._TORCH_FAMILIES.items():
+    for name, (optim, stated, optim_args, _) in trainer_optimizer.TORCH_FAMILIES.items():
         d = defaults(getattr(torch.optim, name).__init__)
         assert all(d[k] == v for k, v in stated.items()) and optim_args <= set(d), name
         assert optim in transformers.training_args.OptimizerNames._value2member_map_
-    assert all(hasattr(torch.optim, n) for n in trainer_args._TORCH_OPTIMIZERS)
-    assert all(hasattr(torch.optim.lr_scheduler, n) for n in trainer_args._TORCH_SCHEDULERS)
-    for kind, keys in trainer_args._WARMUP_PARAMS.items():
+    assert all(hasattr(torch.optim, n) for n in trainer_optimizer.TORCH_OPTIMIZERS)
+    assert all(hasattr(torch.optim.lr_scheduler, n) for n in trainer_schedule.TORCH_SCHEDULERS)
+    for kind, keys in trainer_schedule.WARMUP_PARAMS.items():
         d = defaults(getattr(lr_schedules, kind).__init__)
         assert keys == set(d) - {"self", "optimizer"}, kind
         assert d["warmup_num_steps"] == 1000 and d["warmup_type"] == "log", kind
-    assert defaults(lr_schedules.WarmupDecayLR.__init__)["warmup_max_lr"] == trainer_args._DECAY_DEFAULT_PEAK
+    assert defaults(lr_schedules.WarmupDecayLR.__init__)["warmup_max_lr"] == trainer_schedule.DECAY_DEFAULT_PEAK
     assert defaults(lr_schedules.WarmupLR.__init__)["warmup_max_lr"] is None  # the optimizer's lr
     assert defaults(lr_schedules.WarmupCosineLR.__init__)["cos_min_ratio"] == 0.0001
     fields = {f.name: f.default for f in TrainingArguments.__dataclass_fields__.values()}
