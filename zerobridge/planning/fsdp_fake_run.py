@@ -40,13 +40,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerobridge.backends.base import backend_of
-from zerobridge.backends.fsdp.assess import assess
-from zerobridge.backends.fsdp.prepare import prepare
+from zerobridge.backends.fsdp.prepare import judged, prepare
 from zerobridge.errors import ConfigError
 from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world, train_two_steps
 from zerobridge.planning.models import ModelSource
 from zerobridge.runtime.deferred_init import ShapeReplay
-from zerobridge.runtime.plan import plan_run, run_fields
+from zerobridge.runtime.plan import run_fields
 from zerobridge.spec import StrategySpec
 
 __all__ = ["FsdpForm", "fsdp_form", "optimizer_for", "run_fsdp"]
@@ -68,9 +67,7 @@ class FsdpForm:
 def fsdp_form(spec: StrategySpec, run: Run) -> FsdpForm | None:
     """``spec``'s FSDP2 form on ``run``'s world; ``None`` when the backend refuses it there."""
     try:
-        rules = plan_run(spec, world_size=run.world_size)
-        assessment = assess(spec, world_size=run.world_size, local_world_size=run.ranks_per_node,
-                            accumulation_steps=rules.accumulation_steps)
+        rules, assessment = judged(spec, world_size=run.world_size, local_world_size=run.ranks_per_node)
     except ConfigError:
         return None
     form = copy.deepcopy(assessment.form)
@@ -80,7 +77,13 @@ def fsdp_form(spec: StrategySpec, run: Run) -> FsdpForm | None:
         del read["rules"]["grad_sync"]
         form.get("training_loop", {}).pop("grad_sync", None)
     return FsdpForm(json.dumps(read, sort_keys=True, default=repr),
-                    tuple(f"{e.key}: {e.note}" for e in assessment.approximations))
+                    tuple(_note(e.key, e.note) for e in assessment.approximations))
+
+
+def _note(key: str, note: str) -> str:
+    """One approximation as the plan shows it (``key: note``): ``fsdp_form`` and ``run_fsdp`` write it
+    alike, so ``flavors.measure_once`` can tell a form's notes from the model's."""
+    return f"{key}: {note}"
 
 
 def optimizer_for(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
@@ -111,4 +114,4 @@ def run_fsdp(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
                                       "optimizer": held["optimizer_bytes"]},
                         comm_bytes={k: int(v) for k, v in held["comm_bytes"].items() if v},
                         comm_calls={k: int(v) for k, v in held["comm_calls"].items() if v})
-    return measured, tuple(f"{a['key']}: {a['note']}" for a in held["approximations"])
+    return measured, tuple(_note(a["key"], a["note"]) for a in held["approximations"])

@@ -47,7 +47,7 @@ from zerobridge.backends.fsdp.apply import (
     replace_optimizer_params,
     shard_group,
 )
-from zerobridge.backends.fsdp.assess import assess, refuse
+from zerobridge.backends.fsdp.assess import Assessment, assess, refuse
 from zerobridge.backends.fsdp.backend import FsdpBackend, ZeroFsdpModule
 from zerobridge.backends.fsdp.kwargs import device_mesh_from_form, fully_shard_kwargs
 from zerobridge.backends.fsdp.materialize import materialize_fsdp
@@ -57,11 +57,11 @@ from zerobridge.runtime import comm_stats
 from zerobridge.runtime.comm_stats import CommStats
 from zerobridge.runtime.compile import apply_compile
 from zerobridge.runtime.deferred_init import Replay
-from zerobridge.runtime.plan import plan_run
+from zerobridge.runtime.plan import RunPlan, plan_run
 from zerobridge.runtime.step_rules import install_optimizer_hooks
 from zerobridge.spec import StrategySpec
 
-__all__ = ["prepare"]
+__all__ = ["judged", "prepare"]
 
 
 def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -69,6 +69,15 @@ def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> N
     if isinstance(model, FSDPModule):
         raise ConfigError(f"{type(model).__name__} is already sharded by fully_shard", key="model",
                           fix="pass the plain model: zerobridge calls fully_shard itself")
+
+
+def judged(spec: StrategySpec, *, world_size: int, local_world_size: int) -> tuple[RunPlan, Assessment]:
+    """The run rules ``prepare`` resolves for ``spec`` on ``world_size`` ranks, and the FSDP2 form it judges
+    (``assess``, with the accumulation the rules resolve); ``ConfigError`` when either refuses the spec.
+    The planner keys FSDP2 runs by them (``planning.fsdp_fake_run.fsdp_form``)."""
+    plan = plan_run(spec, world_size=world_size)
+    return plan, assess(spec, world_size=world_size, local_world_size=local_world_size,
+                        accumulation_steps=plan.accumulation_steps)
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: StrategySpec, *,
@@ -81,9 +90,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, spec: Str
 
     _check_model(model, optimizer)
     world, local_world = start_run(model, replay, device)
-    plan = plan_run(spec, world_size=world)
-    assessment = assess(spec, world_size=world, local_world_size=local_world,
-                        accumulation_steps=plan.accumulation_steps)
+    plan, assessment = judged(spec, world_size=world, local_world_size=local_world)
     cut = plan_units(model, spec.wrapping)
     approximations = assessment.approximations + cut.merged
     if not allow_approximate:
