@@ -31,6 +31,8 @@ FSDP's per-parameter step is, not the whole partition's.
 A bucket the spec states is kept, unless the model is known and the bucket is
 larger than the whole model: the reduce bucket is then written at the model's
 size (the same reductions, without preallocating elements no gradient fills).
+``bucket_value`` decides what the DeepSpeed writer writes for one bucket and
+reports it, with its cost (``bucket_cost``).
 Counts are rounded up to even: DeepSpeed asserts that
 ``allgather_bucket_size`` is a multiple of 2. Torch-free: the unit is counted
 by ``zerobridge.runtime.wrap_units.bucket_sizes``.
@@ -39,10 +41,15 @@ by ``zerobridge.runtime.wrap_units.bucket_sizes``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from zerobridge.spec import DType
+from zerobridge.spec import AUTO, DType, StrategySpec
+from zerobridge.spec.stage import Stage
+from zerobridge.translate.mapping import load_table
+from zerobridge.translate.report import Impact, Report, Status
 
-__all__ = ["UNBOUNDED", "BucketSizes", "gathered_ahead", "gathered_live", "reduce_buffers", "size_text", "stepped_in"]
+__all__ = ["UNBOUNDED", "BucketSizes", "bucket_cost", "bucket_value", "gathered_ahead", "gathered_live",
+           "reduce_buffers", "size_text", "stepped_in"]
 
 
 UNBOUNDED = 2**62
@@ -165,3 +172,54 @@ def stepped_in(elements: int) -> str:
     return (f"DeepSpeed steps its partition in sub-groups of at least sub_group_size elements: the step's fp32 "
             f"gradient copy and a torch AdamW's two temporaries are a sub-group's, "
             f"{size_text(3 * 4 * elements)} in fp32 for a sub-group of that size")
+
+
+def bucket_value(spec: StrategySpec, stage: Stage, name: str, key: str, report: Report, sizes: BucketSizes | None,
+            *, used: bool) -> Any:
+    """The value of bucket ``name`` (``zero_optimization.key``): the spec's own number or ``"auto"``
+    kept; ``per_unit`` sized from the model when ``sizes`` is known (``deepspeed_buckets.py``), else
+    ``"auto"`` where HF Trainer and Accelerate fill it from the model (the reduce bucket, and the
+    prefetch bucket at stage 3), else DeepSpeed's default, which then costs no memory."""
+    value = getattr(spec.communication, name)
+    if value != "per_unit":
+        cap = sizes.capped(value) if sizes is not None and name == "reduce_bucket" and isinstance(value, int) \
+            else None
+        if cap is None:
+            return value
+        report.add(f"communication.{name}", Status.EQUIVALENT,
+                   f"{value:,} elements stated, more than the model's {cap:,} parameters: written as {cap:,}, "
+                   f"the same reductions (every gradient fits one bucket at either size) without preallocating "
+                   f"the rest ({bucket_cost(name, value, stage, spec)} stated; "
+                   f"{bucket_cost(name, cap, stage, spec)} written)",
+                   target=f"zero_optimization.{key}", impact=Impact.MEMORY)
+        return cap
+    why = "one collective per wrap unit has no DeepSpeed form"
+    default = int(load_table("deepspeed").row(f"zero_optimization.{key}").default)
+    filled = name == "reduce_bucket" or (name == "prefetch_bucket" and stage is Stage.PARAMETERS)
+    if sizes is not None:
+        written: Any = getattr(sizes, name.removesuffix("_bucket"))
+        note = f"{why}; sized to {sizes.basis}: {bucket_cost(name, written, stage, spec)}"
+    elif not filled:  # the all-gather bucket (no buffer), or prefetch below stage 3 (unused)
+        written = default
+        note = f"{why}; DeepSpeed's default ({written:.0e} elements) written: {bucket_cost(name, written, stage, spec)}"
+    else:
+        written = AUTO
+        fills = "hidden_size^2" if name == "reduce_bucket" else "0.9 x hidden_size^2"
+        note = (f"{why}; written as \"auto\", which HF Trainer and Accelerate fill with {fills}; plain "
+                f"deepspeed.initialize drops \"auto\" for its default, {default:.0e} elements "
+                f"({bucket_cost(name, default, stage, spec)}): pass --model config.json to zerobridge convert to size "
+                "it for the model")
+    if used:  # the all-gather bucket costs no memory in DeepSpeed: speed only, whatever its size
+        report.add(f"communication.{name}", Status.APPROXIMATED, note, target=f"zero_optimization.{key}",
+                   impact=Impact.SPEED if name == "allgather_bucket" else None)
+    return written
+
+
+def bucket_cost(name: str, elements: int, stage: Stage, spec: StrategySpec) -> str:
+    """What bucket ``name`` of ``elements`` costs in DeepSpeed at ``stage``, with the bytes (a sentence)."""
+    dtype = spec.precision.param_dtype
+    if name == "reduce_bucket":
+        return reduce_buffers(elements, stage=stage.value, overlap=spec.communication.overlap_reduce, dtype=dtype)
+    if name == "prefetch_bucket":
+        return gathered_ahead(elements, dtype=dtype)
+    return "no buffer of its own (the all-gather after the step fills the flat parameter buffer)"

@@ -40,14 +40,7 @@ from zerobridge.spec.stage import Stage
 from zerobridge.translate.carried import report_carried
 from zerobridge.translate.compilation import write_deepspeed_compile
 from zerobridge.translate.compute_copy import write_compute_copy
-from zerobridge.translate.deepspeed_buckets import (
-    UNBOUNDED,
-    BucketSizes,
-    gathered_ahead,
-    gathered_live,
-    reduce_buffers,
-    stepped_in,
-)
+from zerobridge.translate.deepspeed_buckets import UNBOUNDED, BucketSizes, bucket_value, gathered_live, stepped_in
 from zerobridge.translate.mapping import load_table
 from zerobridge.translate.report import Impact, Report, Status, Translation
 from zerobridge.translate.wire import write_deepspeed_wire
@@ -171,55 +164,6 @@ def _offload(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Rep
                    target="zero_optimization.sub_group_size", impact=Impact.MEMORY)
 
 
-def _bucket(spec: StrategySpec, stage: Stage, name: str, key: str, report: Report, sizes: BucketSizes | None,
-            *, used: bool) -> Any:
-    """The value of bucket ``name`` (``zero_optimization.key``): the spec's own number or ``"auto"``
-    kept; ``per_unit`` sized from the model when ``sizes`` is known (``deepspeed_buckets.py``), else
-    ``"auto"`` where HF Trainer and Accelerate fill it from the model (the reduce bucket, and the
-    prefetch bucket at stage 3), else DeepSpeed's default, which then costs no memory."""
-    value = getattr(spec.communication, name)
-    if value != "per_unit":
-        cap = sizes.capped(value) if sizes is not None and name == "reduce_bucket" and isinstance(value, int) \
-            else None
-        if cap is None:
-            return value
-        report.add(f"communication.{name}", Status.EQUIVALENT,
-                   f"{value:,} elements stated, more than the model's {cap:,} parameters: written as {cap:,}, "
-                   f"the same reductions (every gradient fits one bucket at either size) without preallocating "
-                   f"the rest ({_cost(name, value, stage, spec)} stated; {_cost(name, cap, stage, spec)} written)",
-                   target=f"zero_optimization.{key}", impact=Impact.MEMORY)
-        return cap
-    why = "one collective per wrap unit has no DeepSpeed form"
-    default = int(load_table(FORMAT).row(f"zero_optimization.{key}").default)
-    filled = name == "reduce_bucket" or (name == "prefetch_bucket" and stage is Stage.PARAMETERS)
-    if sizes is not None:
-        written: Any = getattr(sizes, name.removesuffix("_bucket"))
-        note = f"{why}; sized to {sizes.basis}: {_cost(name, written, stage, spec)}"
-    elif not filled:  # the all-gather bucket (no buffer), or prefetch below stage 3 (unused)
-        written = default
-        note = f"{why}; DeepSpeed's default ({written:.0e} elements) written: {_cost(name, written, stage, spec)}"
-    else:
-        written = AUTO
-        fills = "hidden_size^2" if name == "reduce_bucket" else "0.9 x hidden_size^2"
-        note = (f"{why}; written as \"auto\", which HF Trainer and Accelerate fill with {fills}; plain "
-                f"deepspeed.initialize drops \"auto\" for its default, {default:.0e} elements "
-                f"({_cost(name, default, stage, spec)}): pass --model config.json to zerobridge convert to size "
-                "it for the model")
-    if used:  # the all-gather bucket costs no memory in DeepSpeed: speed only, whatever its size
-        report.add(f"communication.{name}", Status.APPROXIMATED, note, target=f"zero_optimization.{key}",
-                   impact=Impact.SPEED if name == "allgather_bucket" else None)
-    return written
-
-
-def _cost(name: str, elements: int, stage: Stage, spec: StrategySpec) -> str:
-    dtype = spec.precision.param_dtype
-    if name == "reduce_bucket":
-        return reduce_buffers(elements, stage=stage.value, overlap=spec.communication.overlap_reduce, dtype=dtype)
-    if name == "prefetch_bucket":
-        return gathered_ahead(elements, dtype=dtype)
-    return "no buffer of its own (the all-gather after the step fills the flat parameter buffer)"
-
-
 def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], report: Report,
                    sizes: BucketSizes | None) -> None:
     comm = spec.communication
@@ -228,12 +172,12 @@ def _communication(spec: StrategySpec, stage: Stage, zero: dict[str, Any], repor
     # config read back gives the same numbers; only the ones the stage uses are
     # reported when they had to be approximated. A per_unit bucket reads back
     # as the size written for it (or "auto"): DeepSpeed has no per-unit form.
-    zero["reduce_bucket_size"] = _bucket(spec, stage, "reduce_bucket", "reduce_bucket_size", report, sizes,
-                                         used=stage is not Stage.NONE or comm.overlap_reduce)
-    zero["allgather_bucket_size"] = _bucket(spec, stage, "allgather_bucket", "allgather_bucket_size", report, sizes,
-                                            used=stage in (Stage.OPTIMIZER, Stage.GRADIENTS))
+    zero["reduce_bucket_size"] = bucket_value(spec, stage, "reduce_bucket", "reduce_bucket_size", report, sizes,
+                                              used=stage is not Stage.NONE or comm.overlap_reduce)
+    zero["allgather_bucket_size"] = bucket_value(spec, stage, "allgather_bucket", "allgather_bucket_size", report,
+                                                 sizes, used=stage in (Stage.OPTIMIZER, Stage.GRADIENTS))
     sharded = stage is Stage.PARAMETERS
-    prefetch = _bucket(spec, stage, "prefetch_bucket", "stage3_prefetch_bucket_size", report, sizes, used=sharded)
+    prefetch = bucket_value(spec, stage, "prefetch_bucket", "stage3_prefetch_bucket_size", report, sizes, used=sharded)
     no_prefetch = not comm.forward_prefetch and comm.backward_prefetch is BackwardPrefetch.NONE
     if sharded and no_prefetch:
         prefetch = 0
