@@ -75,6 +75,23 @@ def test_deepspeed_terms() -> None:
     assert b.resident == 5000 + 2000 + 150
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_deepspeed_stage3_forward_is_the_native_forward_and_deepspeeds_resident_buffers(precision: str) -> None:
+    """After the first step the native gradient shard stands for stage 3's flat gradient partition: the
+    forward holds the native run's bytes plus DeepSpeed's master copy and flat bucket, nothing twice (the
+    partition added back after each step planned the 20M GPT's forward one partition, 38.3 MiB, over)."""
+    spec = _spec("tiny-llama", "zero3", precision, "deepspeed")
+    source, template = resolve_model("tiny-llama"), resolve_model("tiny-llama").build()
+    run = Run(world_size=WORLD, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+    deepspeed, native = (measure_flavor(source, spec, run, False, f).measured for f in ("deepspeed", "native"))
+    assert deepspeed is not None and native is not None
+    terms = buffers_for(deepspeed_config(spec, template, WORLD), params=sum(p.numel() for p in template.parameters()),
+                        world_size=WORLD)
+    assert terms.grad_partition > 0
+    assert deepspeed.peaks["forward"] - native.peaks["forward"] == \
+        terms.master_copy + terms.reduce_buckets + terms.persistent
+
+
 def test_a_dtensor_counts_its_local_shard_not_its_global_size() -> None:
     """A DTensor's own storage has the global size and no memory behind it: counted, the plan's FSDP2
     column weighed every sharded parameter, gradient and Adam moment N times (a 70B Llama at world 64:
