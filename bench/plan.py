@@ -147,7 +147,8 @@ def cli_times(checkout: str | None = None) -> dict[str, Any]:
     """Each ``CLI`` command run as the user runs it: wall seconds, CPU seconds (it and its workers), load;
     with zerobridge imported from ``checkout`` (a worktree of an earlier commit, also the working directory:
     ``python -m`` workers put it first on their path) when given."""
-    exe = Path(sys.executable).with_name("zerobridge")
+    # an earlier checkout's own entry point: the installed console script names this one's (cli.console)
+    exe = [sys.executable, "-m", "zerobridge.cli"] if checkout else [str(Path(sys.executable).with_name("zerobridge"))]
     env = dict(os.environ, PYTHONPATH=checkout) if checkout else None
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -158,7 +159,7 @@ def cli_times(checkout: str | None = None) -> dict[str, Any]:
             args = [a.replace("{qwen}", str(config)) for a in argv]
             load, before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.perf_counter()
-            done = subprocess.run([str(exe), *args], check=True, stdout=subprocess.PIPE, text=True, env=env,
+            done = subprocess.run([*exe, *args], check=True, stdout=subprocess.PIPE, text=True, env=env,
                                   cwd=checkout or folder)
             seconds = time.perf_counter() - start
             after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -391,3 +391,27 @@ def test_convert_report_texts_name_what_fixes_them(tmp_path: Path, capsys: pytes
     assert "warning: name:" not in err  # the registry name is a label, not a setting
     code, _, err = run(capsys, "convert", "mics", "--to", "fsdp2", "--world-size", "12")
     assert code == 2 and "shard_group=8 does not divide the world size 12" in err and "global" not in err
+
+
+_CONSOLE = ("import atexit, sys, threading, time\n"
+            "atexit.register(lambda: print('handlers ran'))\n"
+            "if sys.argv[1] == 'thread':\n"
+            "    threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+            "sys.argv = ['zerobridge'] + sys.argv[2:]\n"
+            "from zerobridge.cli import console\n"
+            "console()\n")
+
+
+@pytest.mark.parametrize("thread", ["thread", "none"])
+def test_the_console_script_exits_with_mains_code_after_the_exit_handlers(thread: str, tmp_path: Path) -> None:
+    """``zerobridge`` (``cli.console``) leaves out the interpreter's teardown, not its exit handlers, its
+    buffered output or a thread still running."""
+    ok = subprocess.run([sys.executable, "-c", _CONSOLE, thread, "strategies"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and "zero3-offload" in ok.stdout
+    assert ok.stdout.rstrip().endswith("handlers ran")
+    assert ("thread done" in ok.stdout) == (thread == "thread")
+    bad = subprocess.run([sys.executable, "-c", _CONSOLE, thread, "explain", str(tmp_path / "missing.json"),
+                          "--params", "1e9", "--world-size", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "zerobridge: error" in bad.stderr and "handlers ran" in bad.stdout

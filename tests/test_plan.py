@@ -121,6 +121,36 @@ def test_a_deep_model_is_extended_from_two_depths(stage: int) -> None:
     assert not dist.is_initialized()  # the fake group is gone with the run
 
 
+@pytest.mark.parametrize(("stage", "precision"), [(1, "bf16"), (2, "fp32"), (3, "fp32")])
+def test_a_fake_run_leaves_out_repeated_optimizer_calls_and_its_figures_stay(
+        stage: int, precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``NativeStepper.skip_repeats`` (plans only): the largest range of a parameter stepped in ranges
+    stands for the others, and once the state exists a tile no larger than one already stepped is left
+    out. Every figure is the one stepping all of them gives; the optimizer is called less often."""
+    import zerobridge.engine.step as step_module
+
+    calls = [0]
+    raw_step = step_module.raw_step
+
+    def counted(optimizer: Any) -> Any:
+        calls[0] += 1
+        return raw_step(optimizer)
+
+    monkeypatch.setattr(step_module, "raw_step", counted)
+    source = resolve_model("tiny-llama")
+    run = Run(world_size=2, nodes=1, micro_batch=2, seq_len=64)
+    spec = StrategySpec.model_validate(spec_for_stage(stage, source.build(1)).model_dump()
+                                       | {"precision": {"param_dtype": precision}})
+    measured = {}
+    for skip in (False, True):
+        calls[0] = 0
+        measured[skip] = (run_once(source, spec, run, skip_repeats=skip), calls[0])
+    (every, every_calls), (skipped, skipped_calls) = measured[False], measured[True]
+    assert skipped.peaks == every.peaks and skipped.tiers == every.tiers
+    assert skipped.model_states == every.model_states and skipped.comm_bytes == every.comm_bytes
+    assert skipped_calls < every_calls / 2
+
+
 # ----------------------------------------------------------------- real configs
 
 

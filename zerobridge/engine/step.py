@@ -112,6 +112,15 @@ class NativeStepper:
         """Factors (unscale, clipping) owed by deferred gradients not cast yet, in the order applied."""
         self.tile_cap = max(1, sum(g.layout.shard_numel for g in trainable) // STEP_TILES)
         """Elements of deferred gradients cast at once by the step."""
+        self.skip_repeats = False
+        """Leave out the optimizer calls of a step whose memory repeats one already made: for a plan's run on
+        fake tensors (``planning.fake_run``), where no value exists and only the buffers count. Every range
+        of a parameter stepped in ranges allocates and frees the same buffers at its own size, so only the
+        largest range is stepped (twice on a first step: its first range makes the whole-size state, which
+        every later range holds beside its own new one). Once the state exists, a tile whose cast gradients
+        and largest parameter are no larger than those of a tile already stepped (same dtypes) reaches no
+        higher a peak and leaves nothing behind, so it is left out. Never on real tensors: their values need
+        every call."""
 
     @property
     def checks_nonfinite(self) -> bool:
@@ -216,6 +225,7 @@ class NativeStepper:
         others = [(p, p.grad) for pg in optimizer.param_groups for p in pg["params"] if p.grad is not None]
         given = {id(p): g for p, g in others}
         stepped: set[int] = set()
+        seen: list[tuple[object, int, int]] = []
         for param, _ in others:
             param.grad = None
         try:
@@ -226,6 +236,8 @@ class NativeStepper:
                 for tile in self._tiles(group, ids):
                     if len(tile) == 1 and splits(optimizer, group.layout.pieces[tile[0]].numel, self.tile_cap):
                         self._step_in_ranges(optimizer, group, tile[0], given.get(id(group.params[tile[0]])))
+                        continue
+                    if self.skip_repeats and _repeats(group, tile, optimizer, seen):
                         continue
                     if group.pending:
                         any_grad = bool(cast_grads(group, tile, self.scales))  # held by the parameters alone
@@ -254,8 +266,13 @@ class NativeStepper:
         if not group.handed[index] or (given is None and not group.pending):
             return
         flat = None if given is None else given.reshape(-1)
+        spans = ranges(param.numel(), cap=self.tile_cap)
         with RangeStep(optimizer, param) as stepping:
-            for start, stop in ranges(param.numel(), cap=self.tile_cap):
+            if self.skip_repeats and len(spans) > 1:
+                largest = max(spans, key=lambda span: span[1] - span[0])
+                # a first step makes the whole-size state at its first range and holds it through the others
+                spans = [largest, largest] if stepping.fresh else [largest]
+            for start, stop in spans:
                 with stepping.narrowed(start, stop):
                     if flat is None:
                         cast_range(group, index, start, stop, self.scales)
@@ -319,3 +336,20 @@ class NativeStepper:
                 self.awaiting.discard(id(group))
         for _, work in inflight:
             work.wait()
+
+
+def _repeats(group: FlatGroup, tile: list[int], optimizer: torch.optim.Optimizer,
+             seen: list[tuple[object, int, int]]) -> bool:
+    """Stepping ``tile`` of ``group`` would repeat the memory of a tile in ``seen`` (``skip_repeats``): the
+    state exists, and it casts no more gradient elements, steps no larger a parameter, in the same dtypes.
+    Otherwise it is added to ``seen``."""
+    if not all(optimizer.state.get(group.params[i]) for i in tile):
+        return False
+    handed = [group.layout.pieces[i].numel for i in tile if group.handed[i]]
+    kinds = (group.pending, group.plan.accumulate_dtype, group.plan.master_dtype, group.master_device)
+    cast, largest = sum(handed), max(handed, default=0)
+    if any(k == kinds and c >= cast and m >= largest for k, c, m in seen):
+        return True
+    seen.append((kinds, cast, largest))
+    return False
+

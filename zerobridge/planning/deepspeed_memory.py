@@ -100,7 +100,8 @@ from zerobridge.spec import OffloadDevice, ShardingSpec, StrategySpec
 from zerobridge.translate.deepspeed_buckets import UNBOUNDED
 from zerobridge.translate.deepspeed_write import write_deepspeed
 
-__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "largest_sub_group", "run_deepspeed"]
+__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "largest_sub_group", "not_modelled",
+           "run_deepspeed"]
 
 MODELLED_STAGES = (1, 2, 3)
 NATIVE_STEP = "native step"
@@ -169,16 +170,20 @@ def buffers_for(config: dict[str, Any], *, params: int, world_size: int,
                             persistent=size * shared if stage == 3 else 0)
 
 
-def _refuse(spec: StrategySpec) -> None:
-    stage = spec.sharding.stage
-    why = None
-    if int(stage) not in MODELLED_STAGES:
-        why = f"stage {int(stage)}"
-    elif OffloadDevice.NONE is not spec.offload.optimizer.device or \
+def not_modelled(spec: StrategySpec) -> str | None:
+    """What of ``spec`` DeepSpeed's model leaves out (``run_deepspeed`` refuses it), or ``None``."""
+    if int(spec.sharding.stage) not in MODELLED_STAGES:
+        return f"stage {int(spec.sharding.stage)}"
+    if OffloadDevice.NONE is not spec.offload.optimizer.device or \
             OffloadDevice.NONE is not spec.offload.parameters.device:
-        why = "offload"
-    elif spec.sharding.shard_group != "world" or spec.sharding.backward_gather_group is not None:
-        why = "hybrid and hpZ groups"
+        return "offload"
+    if spec.sharding.shard_group != "world" or spec.sharding.backward_gather_group is not None:
+        return "hybrid and hpZ groups"
+    return None
+
+
+def _refuse(spec: StrategySpec) -> None:
+    why = not_modelled(spec)
     if why is not None:
         raise ConfigError(f"{why}: DeepSpeed's memory is modelled for stages 1 to 3 on one group, without "
                           "offload", key="--flavor",
@@ -257,6 +262,7 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
         prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=torch.device("cpu"))
         engine = model.__dict__["_zerobridge_engine"]
         assert isinstance(engine, Engine)
+        engine.stepper.skip_repeats = True  # fake tensors: a step that repeats another is left out
         optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
         # stage 3's flat gradient partition: held until the first backward, where the native gradient
         # shard, kept from then on, starts to stand for it (counting both held the gradient twice)

@@ -150,12 +150,15 @@ def train_two_steps(source: ModelSource, model: torch.nn.Module, optimizer: torc
 
 
 def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, run: Run, replay: Replay,
-               tracker: StorageTracker) -> Measured:
-    """Prepare ``model`` and train two steps of ``run``, counting in ``tracker`` (already entered)."""
+               tracker: StorageTracker, *, skip_repeats: bool) -> Measured:
+    """Prepare ``model`` and train two steps of ``run``, counting in ``tracker`` (already entered);
+    ``skip_repeats``: leave out optimizer calls that repeat another's memory (``NativeStepper.skip_repeats``:
+    fake tensors only)."""
     prepare(model, None, spec, allow_approximate=False, replay=replay, device=torch.device("cpu"))  # in place
     optimizer = _optimizer([p for p in model.parameters() if p.requires_grad], run.optimizer)
     engine = model.__dict__["_zerobridge_engine"]
     assert isinstance(engine, Engine)
+    engine.stepper.skip_repeats = skip_repeats
     train_two_steps(source, model, optimizer, run, tracker, steady=engine.stats.reset)
     held = engine.memory()
     stats = engine.stats
@@ -166,13 +169,16 @@ def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, 
                     comm_calls={k: int(v) for k, v in stats.calls.items() if v})
 
 
-def run_once(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None) -> Measured:
+def run_once(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None,
+             skip_repeats: bool = True) -> Measured:
     """Two training steps of ``spec`` on ``source`` (``layers`` deep when given) as rank 0 of
-    ``run``'s world, on fake tensors. ``ConfigError`` when the engine refuses the layout."""
+    ``run``'s world, on fake tensors. ``ConfigError`` when the engine refuses the layout. ``skip_repeats``:
+    optimizer calls that repeat another's memory are left out (the figures are the same, measured in
+    ``tests/test_plan.py``)."""
     model = source.build(layers)
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
             FakeRunTracker() as tracker:
-        return _two_steps(source, model, spec, run, ShapeReplay(model), tracker)
+        return _two_steps(source, model, spec, run, ShapeReplay(model), tracker, skip_repeats=skip_repeats)
 
 
 def run_real(source: ModelSource, spec: StrategySpec, run: Run) -> Measured:
@@ -181,4 +187,4 @@ def run_real(source: ModelSource, spec: StrategySpec, run: Run) -> Measured:
     figures are checked against (``bench/plan.py``, ``tests/test_plan.py``)."""
     model = source.build()
     with StorageTracker() as tracker:
-        return _two_steps(source, model, spec, run, Replay(model), tracker)
+        return _two_steps(source, model, spec, run, Replay(model), tracker, skip_repeats=False)
