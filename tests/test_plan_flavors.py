@@ -208,8 +208,9 @@ def _own_configs(folder: Path) -> list[str]:
     ZeRO-2 with the optimizer on the host (DeepSpeed's memory model leaves offload out)."""
     model = resolve_model("tiny-gpt").build()
     base = deepspeed_form(with_checkpointing(spec_for_stage(2, model), model), model, own=False)[0]
-    offloaded = base.model_copy(update={"offload": base.offload.model_copy(
-        update={"optimizer": base.offload.optimizer.model_copy(update={"device": "cpu"})})})
+    dumped = base.model_dump()
+    offloaded = StrategySpec.model_validate(dumped | {"offload": dumped["offload"] | {
+        "optimizer": dumped["offload"]["optimizer"] | {"device": "cpu"}}})
     paths = []
     for name, spec in (("z2", base), ("off", offloaded)):
         path = folder / f"{name}.json"
