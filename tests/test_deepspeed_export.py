@@ -36,8 +36,9 @@ import pytest
 import torch
 from conftest import REPO
 
-from zerobridge.checkpoint.deepspeed_export import export_deepspeed_checkpoint, read_target
+from zerobridge.checkpoint.deepspeed_export import export_deepspeed_checkpoint
 from zerobridge.checkpoint.deepspeed_import import import_deepspeed_checkpoint
+from zerobridge.checkpoint.deepspeed_target import read_target
 from zerobridge.checkpoint.portable import PortableState, read_portable, write_portable
 from zerobridge.checkpoint.storage import CheckpointError
 from zerobridge.testing.deepspeed_script import CLIENT_STATE

@@ -5,10 +5,10 @@
     >>> path, report = export_deepspeed_checkpoint("ckpt/step-100", "runs/ds", stage=2, world_size=8,
     ...                                            config="ds.json")                   # doctest: +SKIP
     >>> print(report.render())                                                         # doctest: +SKIP
-    >>> from zerobridge.checkpoint.deepspeed_export import read_target
-    >>> target = read_target(2, 8, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}})
-    >>> target.optimizer, target.adam_w_mode                         # DeepSpeed builds FusedAdam from this JSON
-    ('fused_adam', True)
+    >>> export_deepspeed_checkpoint("no/such/ckpt", "runs/ds", stage=2, world_size=8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    zerobridge.checkpoint.storage.CheckpointError: ...no/such/ckpt: no such checkpoint
+      fix: check the path; a save writes a directory there
 
 The source is any zerobridge checkpoint (any stage, world size, backend), read whole in this process. The
 files are DeepSpeed's natural layout for the target stage and data-parallel world size, as DeepSpeed's own
@@ -20,7 +20,8 @@ looking at the optimizer files, elastic re-partitioning exists only at stages 1-
 same world size, and ZeRO-3 refuses ``elastic_checkpoint`` outright.) DeepSpeed is never imported: the
 files are ``torch.save`` of plain dicts; the three DeepSpeed objects in them (the loss scaler, the stage
 enum, fragment addresses) are written under DeepSpeed's class names by a pickler that only emits their
-names (``_Foreign``), which DeepSpeed's own ``torch.load`` resolves.
+names (``deepspeed_pickle.py``), which DeepSpeed's own ``torch.load`` resolves. What of the DeepSpeed JSON
+decides the layout, and what the export refuses, is ``deepspeed_target.py``.
 
 [Note: the layout written] (DeepSpeed 0.19.8; W the world size, ``tag`` the tag directory). ``latest``
 names the tag. Stages 1-2: ``mp_rank_00_model_states.pt`` holds ``module`` (every parameter, tied alias and
@@ -48,21 +49,19 @@ parameter (state of the same layout) per sub-group.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import pickle
 import shutil
-import types
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from zerobridge.checkpoint.deepspeed_import import MODEL_STATE_KEYS
+from zerobridge.checkpoint.deepspeed_pickle import FragmentAddress, LossScaler, ZeroStage, save
+from zerobridge.checkpoint.deepspeed_target import DeepSpeedTarget, read_target
 from zerobridge.checkpoint.layout import ZB
 from zerobridge.checkpoint.portable import PortableState, portable_from
 from zerobridge.checkpoint.reader import Checkpoint, open_checkpoint
@@ -76,183 +75,11 @@ from zerobridge.checkpoint.storage import (
 )
 from zerobridge.translate.report import Report, Status
 
-__all__ = ["DEEPSPEED_VERSION", "DeepSpeedTarget", "export_deepspeed_checkpoint", "read_target"]
+__all__ = ["DEEPSPEED_VERSION", "export_deepspeed_checkpoint"]
 
 DEEPSPEED_VERSION = "0.19.8"
 """The DeepSpeed release whose layout is written (``ds_version`` in the files)."""
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
-_FIX_CONFIG = "pass --config with the DeepSpeed JSON the run will use, or change that JSON"
-_SUPPORTED = ("fp32 runs of Adam or AdamW (DeepSpeed's FusedAdam, torch's with torch_adam, or a torch Adam/AdamW "
-              "client optimizer when the JSON has no optimizer section), ZeRO stages 1-3, no offload")
-
-
-# ---------------------------------------------------------------------------- DeepSpeed's classes, by name
-
-class _Foreign:
-    """A stand-in pickled under one of DeepSpeed's class names (``where``), so DeepSpeed's own
-    ``torch.load(weights_only=False)`` builds its class from it; nothing here imports DeepSpeed."""
-
-    where: ClassVar[tuple[str, str]]
-
-
-class _LossScaler(_Foreign):
-    """``deepspeed.runtime.fp16.loss_scaler.LossScaler``: the static scaler fp32 runs keep (scale 1)."""
-
-    where = ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
-
-    def __init__(self, scale: float = 1.0) -> None:
-        self.cur_scale = scale
-        self.dynamic = False
-
-
-class _FragmentAddress(_Foreign):
-    """``deepspeed.utils.tensor_fragment.fragment_address``: where a parameter's piece lies in a partition."""
-
-    where = ("deepspeed.utils.tensor_fragment", "fragment_address")
-
-    def __init__(self, numel: int, start: int) -> None:
-        self.numel = numel
-        self.start = start
-
-
-class _ZeroStage(_Foreign):
-    """``deepspeed.runtime.zero.config.ZeroStageEnum(stage)``, pickled as an enum is: the class called on its value."""
-
-    where = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
-
-    def __init__(self, stage: int) -> None:
-        self.stage = stage
-
-    def __reduce__(self) -> tuple[type[_ZeroStage], tuple[int]]:
-        return type(self), (self.stage,)
-
-
-class _Pickler(pickle._Pickler):
-    """Python's own pickler, writing a ``_Foreign`` class as a GLOBAL of the name it stands for. (The C
-    pickler looks every global up to check it; this one is told the name instead.)"""
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if not (isinstance(obj, type) and issubclass(obj, _Foreign)):
-            super().save_global(obj, name)  # type: ignore[misc]  # undocumented method of pickle._Pickler
-            return
-        module, qualname = obj.where
-        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("ascii"))  # type: ignore[attr-defined]
-        self.memoize(obj)  # type: ignore[attr-defined]
-
-
-_PICKLE_MODULE = types.ModuleType(f"{__name__}.pickle")
-"""What ``torch.save(pickle_module=...)`` takes: a module with ``__name__`` and ``Pickler``."""
-_PICKLE_MODULE.Pickler = _Pickler  # type: ignore[attr-defined]
-
-
-# ---------------------------------------------------------------------------- the run the files are for
-
-@dataclass(frozen=True)
-class DeepSpeedTarget:
-    """The DeepSpeed run the export is for: what of its JSON decides the layout."""
-
-    stage: int
-    world_size: int
-    optimizer: str
-    """``"fused_adam"`` (the JSON's Adam/AdamW: DeepSpeed builds FusedAdam, ``step`` an int) or ``"torch"``
-    (``torch_adam``, or no optimizer section: a torch Adam/AdamW the script passes; ``step`` a tensor)."""
-    adam_w_mode: bool | None = None
-    """Decoupled weight decay as the JSON asks; ``None``: the source's (a client optimizer)."""
-    round_robin: bool = False
-    parameter_alignment: bool = False
-    sub_group_size: int = 1_000_000_000
-    scheduler: bool = False
-    """The JSON has a scheduler section: DeepSpeed's own schedule, which takes ``{"last_batch_iteration": n}``."""
-    clip_grad: float | None = None
-    """``gradient_clipping`` when a JSON was given (DeepSpeed restores it from the optimizer files)."""
-    config: dict[str, Any] = field(default_factory=dict)
-    source: str | None = None
-
-
-def _section(config: dict[str, Any], key: str, source: str | None) -> dict[str, Any]:
-    value = config.get(key) or {}
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{key} is a {type(value).__name__}, not an object", source=source, key=key,
-                              fix=_FIX_CONFIG)
-    return value
-
-
-def read_target(stage: int, world_size: int, config: str | Path | dict[str, Any] | None = None) -> DeepSpeedTarget:
-    """The layout DeepSpeed 0.19.8 uses for ``config`` (a JSON file or dict; ``None``: an fp32 run with
-    DeepSpeed's defaults and a torch Adam/AdamW client optimizer) at ``stage`` and ``world_size``; refuses
-    what the export does not write."""
-    source = None
-    if isinstance(config, (str, Path)):
-        source = str(config)
-        try:
-            config = json.loads(Path(config).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CheckpointError("no such DeepSpeed config", source=source, fix="pass the JSON file the run uses"
-                                  ) from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"is not JSON ({exc.msg}, line {exc.lineno})", source=source,
-                                  fix="fix the JSON (the export reads plain JSON, not hjson)") from None
-    if config is not None and not isinstance(config, dict):
-        raise CheckpointError(f"a DeepSpeed config is a JSON object, got a {type(config).__name__}", source=source,
-                              fix=_FIX_CONFIG)
-    if stage not in (1, 2, 3):
-        raise CheckpointError(f"ZeRO stage {stage}: only stages 1-3 are written", key="stage",
-                              fix="a stage 0 run loads a plain state dict: zerobridge checkpoint consolidate "
-                                  "writes the weights; or export for stage 1, which keeps the same numbers")
-    if world_size < 1:
-        raise CheckpointError(f"world size {world_size}", key="world_size", fix="pass the data-parallel world size, "
-                              "the number of ranks of the DeepSpeed run (>= 1)")
-    given = config is not None
-    config = dict(config or {})
-    zero = _section(config, "zero_optimization", source)
-    said = zero.get("stage")
-    if isinstance(said, int) and said != stage:
-        raise CheckpointError(f"the JSON says ZeRO stage {said} but --stage {stage} was asked", source=source,
-                              key="zero_optimization.stage", fix="ask for the stage the JSON runs, or change it")
-    refusals = [
-        (_section(config, "fp16", source).get("enabled") in (True, "auto"),
-         "fp16", "fp16 runs keep a dynamic loss scaler whose state DeepSpeed pickles as its own object"),
-        (_section(config, "bf16", source).get("enabled") in (True, "auto")
-         or _section(config, "bfloat16", source).get("enabled") in (True, "auto"),
-         "bf16", "bf16 runs keep 16-bit module copies and bf16_-prefixed files this export does not write"),
-        ((_section(zero, "offload_optimizer", source).get("device") or "none") != "none",
-         "zero_optimization.offload_optimizer", "optimizer offload builds DeepSpeedCPUAdam (and NVMe swaps its state)"),
-        ((_section(zero, "offload_param", source).get("device") or "none") != "none",
-         "zero_optimization.offload_param", "parameter offload is not a layout this export was checked against"),
-        (stage == 3 and zero.get("elastic_checkpoint") is True, "zero_optimization.elastic_checkpoint",
-         "DeepSpeed 0.19.8 raises NotImplementedError for ZeRO-3 elastic checkpoints"),
-        (_section(config, "checkpoint", source).get("load_universal") is True, "checkpoint.load_universal",
-         "a universal-checkpoint run reads latest_universal and per-parameter folders, not ZeRO files"),
-    ]
-    for refused, key, why in refusals:
-        if refused:
-            raise CheckpointError(f"{why}: not written (supported: {_SUPPORTED})", source=source, key=key,
-                                  fix="export for an fp32 config without offload, resume there, and change the "
-                                      "setting after DeepSpeed saves its own checkpoint")
-    optimizer = _section(config, "optimizer", source)
-    kind, adam_w_mode = "torch", None
-    if optimizer:
-        name = str(optimizer.get("type", "")).lower()
-        params = _section(optimizer, "params", source)
-        if name not in ("adam", "adamw"):
-            raise CheckpointError(f"optimizer type {optimizer.get('type')!r}: only Adam and AdamW state is written",
-                                  source=source, key="optimizer.type",
-                                  fix="use Adam or AdamW in the DeepSpeed run (the source's state is Adam's)")
-        adam_w_mode = name == "adamw" or bool(params.get("adam_w_mode", True))
-        kind = "torch" if params.get("torch_adam") is True else "fused_adam"
-    sub_group_size = zero.get("sub_group_size", 1_000_000_000)
-    if isinstance(sub_group_size, float) and sub_group_size.is_integer():
-        sub_group_size = int(sub_group_size)  # DeepSpeed reads 1e9 as an integer
-    if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size < 0:
-        raise CheckpointError(f"sub_group_size {sub_group_size!r}: the export needs the number DeepSpeed will use",
-                              source=source, key="zero_optimization.sub_group_size", fix="write it as an integer")
-    clip = config.get("gradient_clipping", 0.0)
-    return DeepSpeedTarget(stage=stage, world_size=world_size, optimizer=kind, adam_w_mode=adam_w_mode,
-                           round_robin=zero.get("round_robin_gradients") is True,
-                           parameter_alignment=zero.get("parameter_alignment") is True,
-                           sub_group_size=sub_group_size, scheduler=bool(_section(config, "scheduler", source)),
-                           clip_grad=float(clip) if given and isinstance(clip, (int, float)) else None,
-                           config=config if given else {"zero_optimization": {"stage": stage}}, source=source)
 
 
 # ---------------------------------------------------------------------------- the source, sorted
@@ -451,17 +278,17 @@ def _stage12(src: _Source, target: DeepSpeedTarget, out: _Files) -> None:
             rank["groups"].append(_hyper(state.param_groups[g], target, g, str(src.path)) | {"params": [g]})
             rank["paddings"].append(pad)
             rank["maps"].append(OrderedDict(
-                (n, _FragmentAddress(min(at[n] + state.model[n].numel(), lo + size) - max(at[n], lo),
+                (n, FragmentAddress(min(at[n] + state.model[n].numel(), lo + size) - max(at[n], lo),
                                      max(at[n], lo) - lo))
                 for n in names if at[n] < lo + size and lo < at[n] + state.model[n].numel()))
     for r, rank in enumerate(ranks):
-        optimizer: dict[str, Any] = {"loss_scaler": _LossScaler(), "dynamic_loss_scale": False, "overflow": False}
+        optimizer: dict[str, Any] = {"loss_scaler": LossScaler(), "dynamic_loss_scale": False, "overflow": False}
         if target.clip_grad is not None:
             optimizer["clip_grad"] = target.clip_grad
         optimizer |= {
             "base_optimizer_state": {"state": dict(enumerate(rank["states"])), "param_groups": rank["groups"]},
             "single_partition_of_fp32_groups": rank["partitions"],
-            "zero_stage": _ZeroStage(target.stage), "group_paddings": rank["paddings"],
+            "zero_stage": ZeroStage(target.stage), "group_paddings": rank["paddings"],
             "param_alignment_paddings": alignments, "partition_count": [world] * len(src.groups),
             "ds_version": DEEPSPEED_VERSION, "param_slice_mappings": rank["maps"]}
         out.files[f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"] = _optim_file(optimizer, target)
@@ -507,7 +334,7 @@ def _stage3(src: _Source, target: DeepSpeedTarget, out: _Files) -> None:
                          for key in ("exp_avg", "exp_avg_sq")}} for k, sub in enumerate(subgroups)}
         groups = [_hyper(group, target, g, str(src.path)) | {"params": [k for k, o in enumerate(owner) if o == g]}
                   for g, group in enumerate(state.param_groups)]
-        optimizer = {"zero_stage": _ZeroStage(3), "loss_scaler": _LossScaler(), "dynamic_loss_scale": False,
+        optimizer = {"zero_stage": ZeroStage(3), "loss_scaler": LossScaler(), "dynamic_loss_scale": False,
                      "overflow": False, "partition_count": world,
                      "optimizer_state_dict": {"state": states, "param_groups": groups}, "fp32_flat_groups": flats}
         out.files[f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"] = _optim_file(optimizer, target)
@@ -593,13 +420,6 @@ def _client_state(src: _Source) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- writing
 
-def _save(obj: dict[str, Any], path: Path) -> None:
-    with path.open("wb") as fh:
-        torch.save(obj, fh, pickle_module=_PICKLE_MODULE)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def _write(destination: Path, tag: str, files: dict[str, dict[str, Any]]) -> Path:
     """Write ``files`` into ``destination/tag`` (staged beside it, swapped in), then ``latest``."""
     if (destination / MANIFEST).is_file():
@@ -619,7 +439,7 @@ def _write(destination: Path, tag: str, files: dict[str, dict[str, Any]]) -> Pat
     staged.mkdir()
     try:
         for name, obj in files.items():
-            _save(obj, staged / name)
+            save(obj, staged / name)
         swap_into_place(staged, target)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
