@@ -61,10 +61,9 @@ import torch
 
 from zerobridge.checkpoint.deepspeed_import import MODEL_STATE_KEYS
 from zerobridge.checkpoint.deepspeed_pickle import FragmentAddress, LossScaler, ZeroStage, save
+from zerobridge.checkpoint.deepspeed_source import SortedSource, open_source, sort_source
 from zerobridge.checkpoint.deepspeed_target import DeepSpeedTarget, read_target
 from zerobridge.checkpoint.layout import ZB
-from zerobridge.checkpoint.portable import PortableState, portable_from
-from zerobridge.checkpoint.reader import Checkpoint, open_checkpoint
 from zerobridge.checkpoint.storage import (
     MANIFEST,
     CheckpointError,
@@ -79,117 +78,6 @@ __all__ = ["DEEPSPEED_VERSION", "export_deepspeed_checkpoint"]
 
 DEEPSPEED_VERSION = "0.19.8"
 """The DeepSpeed release whose layout is written (``ds_version`` in the files)."""
-ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
-
-
-# ---------------------------------------------------------------------------- the source, sorted
-
-@dataclass
-class _Source:
-    """A zerobridge checkpoint sorted the way DeepSpeed sorts a model."""
-
-    state: PortableState
-    path: Path
-    groups: list[list[str]]
-    """Trainable parameters (with Adam state) of each param group, in the group's order."""
-    frozen: list[str]
-    """Parameters DeepSpeed leaves out of its flat groups: frozen (no optimizer state) or empty."""
-    buffers: list[str]
-    shared: dict[str, str]
-    """Tied alias -> the parameter it is (DeepSpeed's ``shared_params``)."""
-    step: torch.Tensor
-    skipped: int
-
-
-def _open(path: Path) -> Checkpoint:
-    """The checkpoint at ``path``, or the one a save directory's ``latest`` names (``zerobridge.deepspeed``)."""
-    latest = path / "latest"
-    if not (path / MANIFEST).exists() and latest.is_file():
-        tag = latest.read_text(encoding="utf-8", errors="replace").strip()
-        if tag and (path / tag / MANIFEST).is_file():
-            path = path / tag
-    return open_checkpoint(path)
-
-
-def _sort(ckpt: Checkpoint, frozen_names: Iterable[str]) -> _Source:
-    state = portable_from(ckpt)
-    where = str(ckpt.path)
-    if not state.param_groups or not state.optimizer:
-        raise CheckpointError("holds no optimizer state: a DeepSpeed ZeRO checkpoint is the optimizer's partitions",
-                              source=where, key="optim", fix="save the zerobridge checkpoint with its optimizer "
-                              "(zerobridge.save_checkpoint(path, model, optimizer))")
-    names = [[str(n) for n in group.get("params", [])] for group in state.param_groups]
-    listed = {n for group in names for n in group}
-    if missing := sorted(n for n in listed if n not in state.model):
-        raise CheckpointError(f"optimizer param groups list {missing[:3]}, which the model state lacks", source=where,
-                              key="optim.param_groups", fix="restore the checkpoint from a good copy")
-    groups: list[list[str]] = []
-    frozen: list[str] = []
-    for i, group in enumerate(names):
-        trainable = [n for n in group if state.optimizer.get(n) and state.model[n].numel() > 0]
-        frozen += [n for n in group if n not in trainable]
-        groups.append(trainable)
-        _check_group(state.param_groups[i], i, where)
-    owners = [n for group in names for n in group]
-    by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
-    for owner in owners:
-        by_shape.setdefault((tuple(state.model[owner].shape), state.model[owner].dtype), []).append(owner)
-    wanted = set(frozen_names)
-    if unknown := sorted(wanted - set(state.model)):
-        raise CheckpointError(f"frozen parameter(s) {unknown[:3]} are not in the checkpoint's model state",
-                              source=where, key="frozen", fix="name parameters the checkpoint holds "
-                              "(zerobridge checkpoint info lists them)")
-    shared: dict[str, str] = {}
-    buffers: list[str] = []
-    for name, value in state.model.items():
-        if name in listed:
-            continue
-        tied = next((o for o in by_shape.get((tuple(value.shape), value.dtype), [])
-                     if value.numel() > 0 and torch.equal(value, state.model[o])), None)
-        if tied is not None and name not in wanted:
-            shared[name] = tied
-        elif name in wanted:
-            frozen.append(name)
-        else:
-            buffers.append(name)
-    step = _step([state.optimizer[n] for group in groups for n in group], where)
-    skipped = 0
-    if ckpt.tensor(f"{ZB}.skipped_steps") is not None:
-        skipped = int(ckpt.full(f"{ZB}.skipped_steps").item())
-    order = {name: i for i, name in enumerate(state.model)}
-    frozen.sort(key=order.__getitem__)
-    return _Source(state, ckpt.path, groups, frozen, buffers, shared, step, skipped)
-
-
-def _check_group(group: dict[str, Any], index: int, where: str) -> None:
-    """Adam's hyperparameters, without the variants DeepSpeed's FusedAdam does not run."""
-    if missing := [k for k in ("lr", "betas", "eps", "weight_decay") if k not in group]:
-        raise CheckpointError(f"param group {index} has no {missing}: not an Adam/AdamW optimizer's state",
-                              source=where, key=f"optim.param_groups.{index}",
-                              fix="only Adam and AdamW state is written; resume under zerobridge instead")
-    for flag in ("amsgrad", "maximize"):
-        if group.get(flag) is True:
-            raise CheckpointError(f"param group {index} runs Adam with {flag}=True, which DeepSpeed's FusedAdam "
-                                  "does not", source=where, key=f"optim.param_groups.{index}.{flag}",
-                                  fix="export only Adam/AdamW state without amsgrad or maximize")
-
-
-def _step(states: list[dict[str, torch.Tensor]], where: str) -> torch.Tensor:
-    """The one step count of every trainable parameter (DeepSpeed keeps one per flat group)."""
-    for state in states:
-        if extra := sorted(set(state) - set(ADAM_STATE)):
-            raise CheckpointError(f"optimizer state holds {extra}: not Adam's (exp_avg, exp_avg_sq, step)",
-                                  source=where, key="optim.state",
-                                  fix="only Adam and AdamW state is written; resume under zerobridge instead")
-        if absent := [k for k in ADAM_STATE if k not in state]:
-            raise CheckpointError(f"optimizer state lacks {absent}", source=where, key="optim.state",
-                                  fix="restore the checkpoint from a good copy")
-    steps = {float(s["step"]) for s in states}
-    if len(steps) != 1:
-        raise CheckpointError(f"parameters were stepped different numbers of times {sorted(steps)}; DeepSpeed keeps "
-                              "one step count per flat group", source=where, key="optim.state.step",
-                              fix="export a checkpoint in which every trainable parameter has been stepped as often")
-    return states[0]["step"].detach().clone()
 
 
 # ---------------------------------------------------------------------------- the files
@@ -231,7 +119,7 @@ class _Files:
     param_shapes: list[OrderedDict[str, torch.Size]] = field(default_factory=list)
 
 
-def _stage12(src: _Source, target: DeepSpeedTarget, out: _Files) -> None:
+def _stage12(src: SortedSource, target: DeepSpeedTarget, out: _Files) -> None:
     """Stages 1-2 (DeepSpeedZeroOptimizer): one flat buffer per param group, cut in W equal parts."""
     world, state = target.world_size, src.state
     element = 16 // math.gcd(16, 4) if target.parameter_alignment else 1  # fp32: 4 bytes an element
@@ -304,7 +192,7 @@ def _piece(value: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return piece.clone()
 
 
-def _stage3(src: _Source, target: DeepSpeedTarget, out: _Files) -> None:
+def _stage3(src: SortedSource, target: DeepSpeedTarget, out: _Files) -> None:
     """Stage 3 (DeepSpeedZeroOptimizer_Stage3): every parameter cut in W pieces, grouped in sub-groups."""
     world, state = target.world_size, src.state
     subgroups: list[list[str]] = []
@@ -344,7 +232,7 @@ def _optim_file(optimizer: dict[str, Any], target: DeepSpeedTarget) -> dict[str,
     return {"optimizer_state_dict": optimizer, "ds_config": target.config, "ds_version": DEEPSPEED_VERSION}
 
 
-def _scheduler(src: _Source, target: DeepSpeedTarget) -> dict[str, Any] | None:
+def _scheduler(src: SortedSource, target: DeepSpeedTarget) -> dict[str, Any] | None:
     """The scheduler state in the form the DeepSpeed run's scheduler takes."""
     saved = src.state.scheduler
     if saved is None or not target.scheduler:
@@ -359,7 +247,7 @@ def _scheduler(src: _Source, target: DeepSpeedTarget) -> dict[str, Any] | None:
                           "the source ran to deepspeed.initialize(lr_scheduler=...)")
 
 
-def _counters(src: _Source) -> dict[str, int]:
+def _counters(src: SortedSource) -> dict[str, int]:
     """``global_steps``, ``global_samples`` (when known) and ``skipped_steps``: the ones ``zerobridge.deepspeed``
     saved, else an imported checkpoint's, else the optimizer's step count."""
     meta = src.state.metadata
@@ -377,7 +265,7 @@ def _counters(src: _Source) -> dict[str, int]:
     return counters
 
 
-def _model_files(src: _Source, target: DeepSpeedTarget, out: _Files, counters: dict[str, int],
+def _model_files(src: SortedSource, target: DeepSpeedTarget, out: _Files, counters: dict[str, int],
                  scheduler: dict[str, Any] | None, client: dict[str, Any]) -> None:
     """The model states file (stages 1-2) or one per rank (stage 3)."""
     state, world, stage = src.state, target.world_size, target.stage
@@ -409,7 +297,7 @@ def _model_files(src: _Source, target: DeepSpeedTarget, out: _Files, counters: d
         out.files[name] = head | client
 
 
-def _client_state(src: _Source) -> dict[str, Any]:
+def _client_state(src: SortedSource) -> dict[str, Any]:
     client = src.state.client_state or {}
     if clash := sorted(set(map(str, client)) & MODEL_STATE_KEYS):
         raise CheckpointError(f"client_state holds {clash}, key(s) DeepSpeed's model states file keeps its own "
@@ -460,7 +348,7 @@ def export_deepspeed_checkpoint(source: str | Path, destination: str | Path, *, 
     without optimizer state are taken for frozen ones; a model entry equal to a listed parameter (same
     shape, dtype and values) for a tied alias; any other entry for a buffer."""
     target = read_target(stage, world_size, config)
-    src = _sort(_open(Path(source)), frozen)
+    src = sort_source(open_source(Path(source)), frozen)
     client = _client_state(src)
     scheduler = _scheduler(src, target)
     counters = _counters(src)
@@ -472,7 +360,7 @@ def export_deepspeed_checkpoint(source: str | Path, destination: str | Path, *, 
     return path, _report(src, target, path, counters, scheduler, client)
 
 
-def _report(src: _Source, target: DeepSpeedTarget, path: Path, counters: dict[str, int],
+def _report(src: SortedSource, target: DeepSpeedTarget, path: Path, counters: dict[str, int],
             scheduler: dict[str, Any] | None, client: dict[str, Any]) -> Report:
     report = Report("zerobridge checkpoint", f"deepspeed ZeRO-{target.stage}, world size {target.world_size}")
     optimizer = {"fused_adam": "FusedAdam (the JSON's Adam/AdamW)", "torch": "torch Adam/AdamW"}[target.optimizer]
