@@ -46,6 +46,8 @@ from typing import Any
 
 from backends import ROOT, machine, splice
 
+from zerobridge.testing.estimators import accelerate_estimate, deepspeed_estimate
+
 RESULTS = ROOT / "bench" / "results" / "plan.json"
 DOC = ROOT / "docs" / "plan.md"
 BEGIN, END = "<!-- bench/plan.py: begin -->", "<!-- bench/plan.py: end -->"
@@ -58,26 +60,6 @@ BIG = {"tiny-gpt:100m"}
 
 def _phase_peak(peaks: dict[str, int]) -> int:
     return max(v for k, v in peaks.items() if k != "setup")
-
-
-def _deepspeed(stage: int, params: int, largest: int, world: int) -> int | None:
-    if stage == 2:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        return int(estimate_zero2_model_states_mem_needs(params, world, 1, cpu_offload=False)[1])
-    if stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        return int(estimate_zero3_model_states_mem_needs(params, largest, world, 1, cpu_offload=False,
-                                                         cpu_offload_params=False)[1])
-    return None
-
-
-def _accelerate(params: int, precision: str) -> int:
-    from accelerate.commands.estimate import estimate_training_usage
-
-    usage = estimate_training_usage(params * 4, {"fp32": "float32", "bf16": "bfloat16"}[precision])
-    return int(max(usage.values()))
 
 
 def accuracy(models: list[str], worlds: list[int], precisions: list[str]) -> list[dict[str, Any]]:
@@ -108,14 +90,15 @@ def accuracy(models: list[str], worlds: list[int], precisions: list[str]) -> lis
                         measured = _phase_peak(real[0]["peaks"])
                         predicted = _phase_peak(row.peaks)
                         stage = row.spec.sharding.stage.value
-                        ds = _deepspeed(stage, params, largest, world) if "offload" not in name else None
+                        ds = deepspeed_estimate(stage, params=params, largest=largest, world_size=world) \
+                            if "offload" not in name else None
                         rows.append({"model": model, "world": world, "precision": precision, "candidate": name,
                                      "micro_batch": micro, "seq_len": seq, "measured": measured,
                                      "predicted": predicted, "error": predicted / measured - 1,
                                      "comm_equal": real[0]["comm_bytes"] == row.comm_by_kind,
                                      "deepspeed": ds, "deepspeed_error": None if ds is None else ds / measured - 1,
-                                     "accelerate": _accelerate(params, precision),
-                                     "accelerate_error": _accelerate(params, precision) / measured - 1})
+                                     "accelerate": accelerate_estimate(params, precision),
+                                     "accelerate_error": accelerate_estimate(params, precision) / measured - 1})
                         print(f"{model:<14} w{world} {precision} {name:<14} measured {measured / 2**20:9.1f} MiB "
                               f"predicted {rows[-1]['error']:+.4%}", file=sys.stderr)
     return rows

@@ -16,9 +16,11 @@ rank's peak of the training phases counted by the plan's ``StorageTracker``.
 Planned: ``planning.flavors.measure_flavor`` on fake tensors, the figure
 ``zerobridge plan --flavor`` shows. Native: the native engine's real peak on
 the same cell (``zerobridge.testing.plan_measure``, the same counter), the
-denominator of the cross-flavor table (``--native``, on by default). One
-launch per flavor and model. A script, not a test
-(``tests/test_plan_flavors.py`` asserts a subset).
+denominator of the cross-flavor table (``--native``, on by default). Beside
+each flavor's plan, that flavor's own estimator against the same real peak
+(``zerobridge.testing.estimators``): DeepSpeed's for its stages 2 and 3,
+``accelerate estimate-memory`` for FSDP2. One launch per flavor and model. A
+script, not a test (``tests/test_plan_flavors.py`` asserts a subset).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from zerobridge.planning.fake_run import Run
 from zerobridge.planning.flavors import measure_flavor
 from zerobridge.planning.models import resolve_model
 from zerobridge.spec import StrategySpec
+from zerobridge.testing.estimators import accelerate_estimate, deepspeed_estimate
 from zerobridge.testing.flavor_peaks import TRAINING
 from zerobridge.translate.run_level import with_run_settings
 
@@ -110,17 +113,18 @@ def table(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         name, dtype = row["cell"].split("/")
         cells.setdefault((row["model"], name, dtype), {})[row["flavor"]] = row
-    lines = ["| model | candidate | dtype | real DeepSpeed | DeepSpeed plan | real FSDP2 | FSDP2 plan |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | candidate | dtype | real DeepSpeed | DeepSpeed plan | DeepSpeed's estimator | real FSDP2 "
+             "| FSDP2 plan | accelerate estimate |", "|---|---|---|---|---|---|---|---|---|"]
     for (model, name, dtype), by_flavor in cells.items():
         shown = []
         for flavor in ("deepspeed", "fsdp2"):
             row = by_flavor.get(flavor)
             if row is None:
-                shown += ["-", "-"]
+                shown += ["-", "-", "-"]
                 continue
             error = "not modelled" if row["error"] is None else f"{row['error']:+.1%}"
-            shown += [f"{row['real_bytes'] / 2**20:.1f} MiB", error]
+            estimate = row.get("estimate_error")
+            shown += [f"{row['real_bytes'] / 2**20:.1f} MiB", error, "n/a" if estimate is None else f"{estimate:+.1%}"]
         mark = " (FSDP2: ~)" if name.split("+")[0] in ("zero1", "zero2") and "fsdp2" in by_flavor else ""
         lines.append(f"| {model} | {name}{mark} | {dtype} | " + " | ".join(shown) + " |")
     errors = [abs(r["error"]) for r in result["rows"] if r["error"] is not None]
@@ -181,14 +185,22 @@ def main() -> None:
                 native[label] = _native(model, world, tuple(args.candidates))
                 for key, peak in native[label].items():
                     print(f"{label:>10} {'native':>9} {key:14} real {peak / 2**20:7.1f} MiB", flush=True)
+            built = resolve_model(model).build()
+            params = sum(p.numel() for p in built.parameters())
+            largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
             for flavor in args.flavors:
                 specs = _specs(model, flavor, world, tuple(args.candidates))
                 real, planned = _real(model, flavor, specs, world), _planned(model, flavor, specs, world)
-                for key in specs:
+                for key, spec in specs.items():
                     plan_bytes = planned[key]
                     error = None if plan_bytes is None else plan_bytes / real[key] - 1
+                    # each flavor's own estimator: DeepSpeed's for its stages 2-3, Accelerate's for FSDP2
+                    estimate = deepspeed_estimate(spec.sharding.stage.value, params=params, largest=largest,
+                                                  world_size=world) if flavor == "deepspeed" else \
+                        accelerate_estimate(params, key.split("/")[1])
                     rows.append({"model": label, "flavor": flavor, "cell": key, "real_bytes": real[key],
-                                 "planned_bytes": plan_bytes, "error": error})
+                                 "planned_bytes": plan_bytes, "error": error, "estimate_bytes": estimate,
+                                 "estimate_error": None if estimate is None else estimate / real[key] - 1})
                     shown = "not modelled" if plan_bytes is None else f"{plan_bytes / 2**20:7.1f} MiB  {error:+.1%}"
                     print(f"{label:>10} {flavor:>9} {key:14} real {real[key] / 2**20:7.1f} MiB  plan {shown}",
                           flush=True)
