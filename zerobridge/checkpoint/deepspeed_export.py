@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from zerobridge.checkpoint.deepspeed_import import MODEL_STATE_KEYS
+from zerobridge.checkpoint.deepspeed_files import MODEL_STATE_KEYS
 from zerobridge.checkpoint.deepspeed_pickle import FragmentAddress, LossScaler, ZeroStage, save
 from zerobridge.checkpoint.deepspeed_source import SortedSource, open_source, sort_source
 from zerobridge.checkpoint.deepspeed_target import DeepSpeedTarget, read_target
