@@ -32,7 +32,8 @@ from zerobridge.spec import DynamicLossScale, EveryModuleWrap, PrecisionSpec
 from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing import parity
 
-__all__ = ["collective_counts", "counting_collectives", "formula_bytes", "live_tensor_bytes", "memory_and_comm"]
+__all__ = ["collective_counts", "counting_collectives", "formula_bytes", "live_storages", "live_tensor_bytes",
+           "memory_and_comm"]
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
@@ -93,8 +94,8 @@ def formula_bytes(*, stage: int, params: int, shards: int, mixed: bool, layout: 
                for per, since in ((param, 3), (grad, 2), (optimizer, 1)))
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage alive in this process."""
+def live_storages() -> dict[int, int]:
+    """Every distinct tensor storage alive in this process: its address and bytes."""
     gc.collect()
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
@@ -105,7 +106,12 @@ def live_tensor_bytes() -> int:
         except Exception:
             continue
     seen.pop(0, None)
-    return sum(seen.values())
+    return seen
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process."""
+    return sum(live_storages().values())
 
 
 class Wide(nn.Module):
@@ -141,7 +147,8 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
         spec = spec.model_copy(update={"precision": precision})
 
     device = run_device()
-    baseline = live_tensor_bytes()
+    before = live_storages()
+    baseline = sum(before.values())
     model = Wide().to(device)
     params = sum(p.numel() for p in model.parameters())
     model = zerobridge.prepare(model, config=spec)
@@ -157,9 +164,11 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
         optimizer.step()
     if at == "rest":
         live, stats = live_tensor_bytes() - baseline, zerobridge.stats(model)
+    # for a failing check's message: the largest storages this run left alive
+    made = sorted((n for p, n in live_storages().items() if p not in before), reverse=True)[:12]
     optimizer.zero_grad()
     return {"params": params, "shards": dist.get_world_size() if stage else 1, "live_bytes": live, "stats": stats,
-            "skipped": zerobridge.stats(model).get("skipped_steps")}
+            "skipped": zerobridge.stats(model).get("skipped_steps"), "largest_storages": made}
 
 
 def gpt_model_state(*, preset: str, spec: Any, backend: str = "native", steps: int = 2,
