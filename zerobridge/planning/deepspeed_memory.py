@@ -100,8 +100,7 @@ from zerobridge.spec import OffloadDevice, ShardingSpec, StrategySpec
 from zerobridge.translate.deepspeed_buckets import UNBOUNDED
 from zerobridge.translate.deepspeed_write import write_deepspeed
 
-__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "largest_sub_group", "not_modelled",
-           "run_deepspeed"]
+__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "largest_sub_group", "run_deepspeed"]
 
 MODELLED_STAGES = (1, 2, 3)
 NATIVE_STEP = "native step"
@@ -170,7 +169,7 @@ def buffers_for(config: dict[str, Any], *, params: int, world_size: int,
                             persistent=size * shared if stage == 3 else 0)
 
 
-def not_modelled(spec: StrategySpec) -> str | None:
+def _not_modelled(spec: StrategySpec) -> str | None:
     """What of ``spec`` DeepSpeed's model leaves out (``run_deepspeed`` refuses it), or ``None``."""
     if int(spec.sharding.stage) not in MODELLED_STAGES:
         return f"stage {int(spec.sharding.stage)}"
@@ -183,7 +182,7 @@ def not_modelled(spec: StrategySpec) -> str | None:
 
 
 def _refuse(spec: StrategySpec) -> None:
-    why = not_modelled(spec)
+    why = _not_modelled(spec)
     if why is not None:
         raise ConfigError(f"{why}: DeepSpeed's memory is modelled for stages 1 to 3 on one group, without "
                           "offload", key="--flavor",

@@ -59,7 +59,6 @@ from zerobridge.errors import ConfigError
 from zerobridge.explain import Explanation, explain
 from zerobridge.load import load_spec_for_world
 from zerobridge.planning.candidates import Candidate, candidates, deepspeed_form
-from zerobridge.planning.deepspeed_memory import not_modelled
 from zerobridge.planning.fake_run import Measured, Run
 from zerobridge.planning.flavors import ALL, NOT_MODELLED, FlavorMeasured, flavors_named, measure_flavor, measure_once
 from zerobridge.planning.measure import FULL_DEPTH, SHALLOW
@@ -174,26 +173,15 @@ def _measure_each(model: object, source: ModelSource, jobs: list[tuple[StrategyS
     group): forked from this one (``worker.fork_map``), else fresh ones when the model is named by a string."""
     if workers <= 1 or len(jobs) < 2:
         return [measure_flavor(source, spec, run, whole, flavor) for spec, flavor in jobs]
-    # the costliest first, so that no worker is left with a long job while the others have finished
-    order = sorted(range(len(jobs)), key=lambda i: -_cost(*jobs[i]))
-    forked = fork_map(lambda k: measure_flavor(source, jobs[order[k]][0], run, whole, jobs[order[k]][1]), len(jobs),
+    forked = fork_map(lambda i: measure_flavor(source, jobs[i][0], run, whole, jobs[i][1]), len(jobs),
                       workers=workers)
     if forked is not None:
-        return [m for _, m in sorted(zip(order, forked), key=lambda pair: pair[0])]
+        return forked
     if not isinstance(model, (str, Path)):
         return [measure_flavor(source, spec, run, whole, flavor) for spec, flavor in jobs]
     # Each worker is a program of its own (``planning.worker``): a fresh interpreter that never
     # re-imports the caller's script, so a plain script needs no ``__main__`` guard.
     return program_map(str(model), [spec for spec, _ in jobs], run, whole, [f for _, f in jobs], workers=workers)
-
-
-def _cost(spec: StrategySpec, flavor: str) -> float:
-    """A job's time relative to the others, to hand out the long ones first (measured on a 6.5M Qwen2,
-    every candidate: FSDP2's runs 1.2-1.4 s, the native engine's and DeepSpeed's 0.8-1.1 s, recomputation
-    adds about 0.1 s, a layout DeepSpeed's model leaves out takes none)."""
-    if flavor == "deepspeed" and not_modelled(spec) is not None:
-        return 0.0
-    return (1.3 if flavor == "fsdp2" else 0.9) + (0.1 if spec.checkpoint.activation_checkpointing else 0.0)
 
 
 def _row(candidate: Candidate, measured: Measured, *, params: int, run: Run, device_memory: int,
