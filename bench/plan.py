@@ -46,7 +46,7 @@ from typing import Any
 
 from backends import ROOT, machine, splice
 
-from zerobridge.testing.estimators import accelerate_estimate, deepspeed_estimate
+from zerobridge.testing.estimators import accelerate_estimate, deepspeed_estimate, estimator_sizes
 
 RESULTS = ROOT / "bench" / "results" / "plan.json"
 DOC = ROOT / "docs" / "plan.md"
@@ -76,9 +76,7 @@ def accuracy(models: list[str], worlds: list[int], precisions: list[str]) -> lis
                     continue
                 micro, seq = SHAPES[model]
                 source = resolve_model(model)
-                built = source.build()
-                params = sum(p.numel() for p in built.parameters())
-                largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
+                params, largest = estimator_sizes(source.build())
                 for precision in precisions:
                     result = plan(model, world_size=world, device_memory="1TiB", micro_batch=micro, seq_len=seq,
                                   precision=precision, workers=1)
@@ -92,13 +90,13 @@ def accuracy(models: list[str], worlds: list[int], precisions: list[str]) -> lis
                         stage = row.spec.sharding.stage.value
                         ds = deepspeed_estimate(stage, params=params, largest=largest, world_size=world) \
                             if "offload" not in name else None
+                        accel = accelerate_estimate(params, precision)
                         rows.append({"model": model, "world": world, "precision": precision, "candidate": name,
                                      "micro_batch": micro, "seq_len": seq, "measured": measured,
                                      "predicted": predicted, "error": predicted / measured - 1,
                                      "comm_equal": real[0]["comm_bytes"] == row.comm_by_kind,
                                      "deepspeed": ds, "deepspeed_error": None if ds is None else ds / measured - 1,
-                                     "accelerate": accelerate_estimate(params, precision),
-                                     "accelerate_error": accelerate_estimate(params, precision) / measured - 1})
+                                     "accelerate": accel, "accelerate_error": accel / measured - 1})
                         print(f"{model:<14} w{world} {precision} {name:<14} measured {measured / 2**20:9.1f} MiB "
                               f"predicted {rows[-1]['error']:+.4%}", file=sys.stderr)
     return rows

@@ -39,7 +39,7 @@ from zerobridge.planning.fake_run import Run
 from zerobridge.planning.flavors import measure_flavor
 from zerobridge.planning.models import resolve_model
 from zerobridge.spec import StrategySpec
-from zerobridge.testing.estimators import accelerate_estimate, deepspeed_estimate
+from zerobridge.testing.estimators import accelerate_estimate, deepspeed_estimate, estimator_sizes
 from zerobridge.testing.flavor_peaks import TRAINING
 from zerobridge.translate.run_level import with_run_settings
 
@@ -185,9 +185,7 @@ def main() -> None:
                 native[label] = _native(model, world, tuple(args.candidates))
                 for key, peak in native[label].items():
                     print(f"{label:>10} {'native':>9} {key:14} real {peak / 2**20:7.1f} MiB", flush=True)
-            built = resolve_model(model).build()
-            params = sum(p.numel() for p in built.parameters())
-            largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
+            params, largest = estimator_sizes(resolve_model(model).build())
             for flavor in args.flavors:
                 specs = _specs(model, flavor, world, tuple(args.candidates))
                 real, planned = _real(model, flavor, specs, world), _planned(model, flavor, specs, world)

@@ -14,7 +14,16 @@ show their errors against the same measured peaks as the plan's.
 
 from __future__ import annotations
 
-__all__ = ["accelerate_estimate", "deepspeed_estimate"]
+from torch import nn
+
+__all__ = ["accelerate_estimate", "deepspeed_estimate", "estimator_sizes"]
+
+
+def estimator_sizes(model: nn.Module) -> tuple[int, int]:
+    """What the estimators take of ``model``: its parameter count and the largest layer's own parameters."""
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return params, largest
 
 
 def deepspeed_estimate(stage: int, *, params: int, largest: int, world_size: int) -> int | None:

@@ -32,8 +32,7 @@ from zerobridge.spec import DynamicLossScale, EveryModuleWrap, PrecisionSpec
 from zerobridge.spec.presets import spec_for_stage
 from zerobridge.testing import parity
 
-__all__ = ["collective_counts", "counting_collectives", "formula_bytes", "live_storages", "live_tensor_bytes",
-           "memory_and_comm"]
+__all__ = ["collective_counts", "counting_collectives", "formula_bytes", "live_tensor_bytes", "memory_and_comm"]
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
@@ -94,7 +93,7 @@ def formula_bytes(*, stage: int, params: int, shards: int, mixed: bool, layout: 
                for per, since in ((param, 3), (grad, 2), (optimizer, 1)))
 
 
-def live_storages() -> dict[int, int]:
+def _storages() -> dict[int, int]:
     """Every distinct tensor storage alive in this process: its address and bytes."""
     gc.collect()
     seen: dict[int, int] = {}
@@ -111,7 +110,7 @@ def live_storages() -> dict[int, int]:
 
 def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process."""
-    return sum(live_storages().values())
+    return sum(_storages().values())
 
 
 class Wide(nn.Module):
@@ -147,27 +146,29 @@ def memory_and_comm(*, stage: int, dtype: str = "fp32", steps: int = 2, layout: 
         spec = spec.model_copy(update={"precision": precision})
 
     device = run_device()
-    before = live_storages()
+    before = _storages()
     baseline = sum(before.values())
     model = Wide().to(device)
     params = sum(p.numel() for p in model.parameters())
     model = zerobridge.prepare(model, config=spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    live = stats = None
+    after: dict[int, int] = {}
+    stats = None
     for step in range(steps):
         zerobridge.reset_stats(model)
         x = torch.randn(8, 61, generator=torch.Generator().manual_seed(step + 100 * dist.get_rank())).to(device)
         model(x).float().pow(2).mean().backward()
         del x
         if at == "backward" and step == steps - 1:
-            live, stats = live_tensor_bytes() - baseline, zerobridge.stats(model)
+            after, stats = _storages(), zerobridge.stats(model)
         optimizer.step()
     if at == "rest":
-        live, stats = live_tensor_bytes() - baseline, zerobridge.stats(model)
-    # for a failing check's message: the largest storages this run left alive
-    made = sorted((n for p, n in live_storages().items() if p not in before), reverse=True)[:12]
+        after, stats = _storages(), zerobridge.stats(model)
+    # for a failing check's message: the largest storages alive then that the run made
+    made = sorted((n for p, n in after.items() if p not in before), reverse=True)[:12]
     optimizer.zero_grad()
-    return {"params": params, "shards": dist.get_world_size() if stage else 1, "live_bytes": live, "stats": stats,
+    return {"params": params, "shards": dist.get_world_size() if stage else 1,
+            "live_bytes": sum(after.values()) - baseline, "stats": stats,
             "skipped": zerobridge.stats(model).get("skipped_steps"), "largest_storages": made}
 
 
