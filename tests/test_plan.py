@@ -197,10 +197,11 @@ def test_cli_writes_the_recommendation_for_deepspeed(capsys: pytest.CaptureFixtu
     ds = json.loads(out_file.read_text())
     checked = deepspeed_config.DeepSpeedConfig({k: v for k, v in ds.items() if k != "train_batch_size"})
     assert checked.zero_optimization_stage == 2 and checked.train_micro_batch_size_per_gpu == 2
-    # buckets sized to the model's largest wrap unit (here the root: the whole model), never DeepSpeed's 5e8
-    # defaults, which it would preallocate twice with overlap_comm (issue 31)
+    # buckets sized from the model, never DeepSpeed's 5e8 defaults, which it would preallocate twice with
+    # overlap_comm (issue 31): the all-gather bucket to the largest wrap unit (here the root: the whole
+    # model), the reduce bucket to hidden_size^2 (n_embd 64), as Trainer fills "auto"
     params = resolve_model("tiny-gpt").params
-    assert checked.zero_config.reduce_bucket_size == checked.zero_config.allgather_bucket_size == params
+    assert checked.zero_config.allgather_bucket_size == params and checked.zero_config.reduce_bucket_size == 64 * 64
     assert "warning: communication.reduce_bucket" in err and "2 x reduce_bucket_size elements" in err
     code, out, _ = cli(capsys, "plan", "tiny-gpt", "--world-size", "2", "--device-memory", "64MiB",
                        "--micro-batch", "2", "--seq-len", "16", "--json")

@@ -108,11 +108,14 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
 
 class ReductionQueue:
     """Buckets reduced in one fixed order on every rank (``order``), as their gradients
-    arrive, with at most ``MAX_INFLIGHT_REDUCTIONS`` links in flight."""
+    arrive, with at most ``limit`` (``MAX_INFLIGHT_REDUCTIONS``) links in flight."""
 
     def __init__(self, order: Sequence[tuple[FlatGroup, int]], streams: Streams) -> None:
         self.order = list(order)
         self.streams = streams
+        self.limit = MAX_INFLIGHT_REDUCTIONS
+        """Links left in flight at once; 0 lands each as it is issued (the DeepSpeed memory model's
+        stage 3, whose reductions do not overlap the backward's next gradients)."""
         self.ready: set[tuple[int, int]] = set()
         self.cursor = 0
         self.pending: list[Reduction] = []
@@ -131,7 +134,7 @@ class ReductionQueue:
                 return
             self.pending.append(reduce_bucket(group, b, divisor, self.streams))
             self.cursor += 1
-            while len(self.pending) > MAX_INFLIGHT_REDUCTIONS:
+            while len(self.pending) > self.limit:
                 self._land_first()
 
     def land_all(self) -> None:

@@ -88,10 +88,20 @@ def run_fields(plan: RunPlan) -> dict[str, object]:
 
 
 def hidden_size(model: nn.Module) -> int | None:
-    """The model's hidden size, for ``"auto"`` bucket sizes (Hugging Face names)."""
+    """The model's hidden size, for ``"auto"`` bucket sizes and the DeepSpeed reduce bucket written for a
+    known model (``runtime/wrap_units.bucket_sizes``), read as HF Trainer reads it: ``config.hidden_size``
+    (or another name for it), else the largest of ``config.hidden_sizes``; ``None`` without one.
+
+        >>> from zerobridge.models import tiny_gpt
+        >>> hidden_size(tiny_gpt("tiny")), hidden_size(nn.Linear(2, 2))
+        (64, None)
+    """
     config = getattr(model, "config", None)
     for name in ("hidden_size", "n_embd", "d_model", "dim"):
         value = getattr(config, name, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
+    sizes = getattr(config, "hidden_sizes", None)
+    if isinstance(sizes, (list, tuple)) and sizes and all(isinstance(v, int) and v > 0 for v in sizes):
+        return int(max(sizes))
     return None

@@ -20,7 +20,7 @@ the whole model (``translate/deepspeed_buckets.py``):
     >>> from zerobridge.spec import CommunicationSpec, StrategySpec
     >>> spec = StrategySpec(wrapping=EveryModuleWrap(), communication=CommunicationSpec(reduce_bucket="per_unit"))
     >>> bucket_sizes(model, spec)
-    BucketSizes(elements=6, unit='0', ranks=None, model=10)
+    BucketSizes(elements=6, unit='0', ranks=None, model=10, hidden=None)
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from zerobridge.errors import ConfigError
+from zerobridge.runtime.plan import hidden_size
 from zerobridge.spec import StrategySpec
 from zerobridge.spec.wrapping import EveryModuleWrap, RootWrap, SizeWrap, TransformerWrap, WrapSpec
 from zerobridge.translate.deepspeed_buckets import BucketSizes
@@ -180,4 +181,6 @@ def bucket_sizes(model: nn.Module, spec: StrategySpec, *, world_size: int | None
     largest = max(range(len(units)), key=counts.__getitem__)
     names = {id(m): name for name, m in model.named_modules()}
     return BucketSizes.for_unit(counts[largest], unit=names[id(units[largest])],
-                                ranks=world_size or spec.sharding.world_size, model=sum(counts))
+                                ranks=world_size or spec.sharding.world_size, model=sum(counts),
+                                hidden=hidden_size(model))
+
