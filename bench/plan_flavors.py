@@ -5,6 +5,7 @@ native engine's on the same cell: the two tables under "Flavors" in docs/plan.md
     python bench/plan_flavors.py --models tiny-gpt:20m --world-size 4 -o other.json
     python bench/plan_flavors.py --flavors deepspeed --candidates zero1 zero1+ac -o stage1.json
     python bench/plan_flavors.py --table bench/results/plan_flavors.json   # docs/plan.md's tables, nothing run
+    python bench/plan_flavors.py --optimizer adamw-fused -o bench/results/plan_flavors_fused.json
 
 Cells: the tiny Llama and a 3-layer Qwen2 config (``QWEN2``), stages 1 to 3
 with and without activation checkpointing (``CANDIDATES``, or ``--candidates``),
@@ -66,8 +67,8 @@ def _specs(model: str, flavor: str, world: int, names: tuple[str, ...] = CANDIDA
     return out
 
 
-def _real(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -> dict[str, int]:
-    run = {"model": model, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN}
+def _real(model: str, flavor: str, specs: dict[str, StrategySpec], world: int, optimizer: str) -> dict[str, int]:
+    run = {"model": model, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "optimizer": optimizer}
     if flavor == "deepspeed":
         template = resolve_model(model).build()
         extra = {"zero_allow_untested_optimizer": True, "steps_per_print": 2**62}
@@ -82,7 +83,7 @@ def _real(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -
     return {k: max(r[k]["train"] for r in ranks) for k in specs}
 
 
-def _native(model: str, world: int, names: tuple[str, ...]) -> dict[str, int]:
+def _native(model: str, world: int, names: tuple[str, ...], optimizer: str) -> dict[str, int]:
     """The native engine's real peak of the training phases per cell, the busier rank's."""
     specs = _specs(model, "native", world, names)
     out: dict[str, int] = {}
@@ -90,15 +91,16 @@ def _native(model: str, world: int, names: tuple[str, ...]) -> dict[str, int]:
         for key, spec in specs.items():
             ranks: list[Any] = cluster.run("zerobridge.testing.plan_measure:measure", model=model,
                                            spec=spec.model_dump(mode="json"), micro_batch=MICRO_BATCH,
-                                           seq_len=SEQ_LEN)
+                                           seq_len=SEQ_LEN, optimizer=optimizer)
             out[key] = max(max(r["peaks"].get(p, 0) for p in TRAINING) for r in ranks)
     return out
 
 
-def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int) -> dict[str, int | None]:
+def _planned(model: str, flavor: str, specs: dict[str, StrategySpec], world: int, optimizer: str
+             ) -> dict[str, int | None]:
     """The plan's peak per cell; ``None`` where the flavor leaves the candidate out (not modelled)."""
     source = resolve_model(model)
-    run = Run(world_size=world, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+    run = Run(world_size=world, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, optimizer=optimizer)
     out: dict[str, int | None] = {}
     for key, spec in specs.items():
         measured = measure_flavor(source, spec, run, False, flavor).measured
@@ -160,6 +162,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny-llama", "qwen2"], help="names; qwen2 is QWEN2")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
+                        help="the optimizer every run and plan steps (zerobridge plan --optimizer)")
     parser.add_argument("--flavors", nargs="+", choices=("deepspeed", "fsdp2"), default=["deepspeed", "fsdp2"])
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
                         help="the plan's candidate names (zero1, zero2+ac, ...)")
@@ -182,13 +186,14 @@ def main() -> None:
         for label in args.models:
             model = str(qwen2) if label == "qwen2" else label
             if args.native:
-                native[label] = _native(model, world, tuple(args.candidates))
+                native[label] = _native(model, world, tuple(args.candidates), args.optimizer)
                 for key, peak in native[label].items():
                     print(f"{label:>10} {'native':>9} {key:14} real {peak / 2**20:7.1f} MiB", flush=True)
             params, largest = estimator_sizes(resolve_model(model).build())
             for flavor in args.flavors:
                 specs = _specs(model, flavor, world, tuple(args.candidates))
-                real, planned = _real(model, flavor, specs, world), _planned(model, flavor, specs, world)
+                real = _real(model, flavor, specs, world, args.optimizer)
+                planned = _planned(model, flavor, specs, world, args.optimizer)
                 for key, spec in specs.items():
                     plan_bytes = planned[key]
                     error = None if plan_bytes is None else plan_bytes / real[key] - 1
@@ -202,7 +207,8 @@ def main() -> None:
                     shown = "not modelled" if plan_bytes is None else f"{plan_bytes / 2**20:7.1f} MiB  {error:+.1%}"
                     print(f"{label:>10} {flavor:>9} {key:14} real {real[key] / 2**20:7.1f} MiB  plan {shown}",
                           flush=True)
-    result = {"world_size": world, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "rows": rows, "native": native}
+    result = {"world_size": world, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "optimizer": args.optimizer,
+              "rows": rows, "native": native}
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result), end="")
 

@@ -185,7 +185,7 @@ def _bucket_sizing() -> list[str]:
            "and the registry's stage specs carry, on any model under 500M parameters) is written at the model's "
            "parameter count. Every gradient fits one bucket at either size, so the reductions are the same; "
            "DeepSpeed preallocates what is written, and on a 2 MB model `prepare(model, stage=2, "
-           "backend=\"deepspeed\")` held 4.00 GB per rank before and 3.36 MB after (docs/compare.md). The report "
+           "backend=\"deepspeed\")` held 4.00 GB per rank before and 2.89 MB after (docs/compare.md). The report "
            "files it as equivalent, under memory, with both costs.\n\n"
            "The report files these keys, `max_live_parameters` and the persistence thresholds under memory, with "
            "the bytes (`translate/deepspeed_buckets.py`; the DeepSpeed writer's all-gather entry is speed: DeepSpeed "

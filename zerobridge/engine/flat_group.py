@@ -336,6 +336,12 @@ class FlatGroup:
                     self.store_view(i).zero_()
         self.store_is_accumulator = single_reduce and not self.plan.shard_grads and all(cleared)
 
+    def release_grads(self) -> None:
+        """Free the gradient store between steps (``begin_window`` makes it again, zeroed). The
+        parameters' gradients must be cleared first: a view of the store would keep it alive."""
+        self.grad_store = None
+        self._grad_views = (None, [])
+
     def accumulator(self) -> torch.Tensor:
         if self.store_is_accumulator:
             assert self.grad_store is not None

@@ -74,7 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accumulation", type=_positive, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16",
                    help="compute dtype; 16-bit keeps fp32 master weights (default bf16)")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
+                   help="adamw: torch's AdamW one tensor at a time; adamw-fused: torch's fused AdamW, HF Trainer's "
+                        "default (no step temporaries, as DeepSpeed's FusedAdam); sgd (default adamw)")
     p.add_argument("--config", "--strategy", dest="own", nargs="+", default=[], metavar="CONFIG",
                    help="your own config files or registry names, planned beside the candidates")
     p.add_argument("--only-own", action="store_true", help="plan only --config/--strategy (and their +ac forms)")

@@ -46,7 +46,8 @@ from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import Replay, ShapeReplay
 from zerobridge.spec import StrategySpec
 
-__all__ = ["FakeRunTracker", "Measured", "Run", "fake_world", "run_once", "run_real", "train_two_steps"]
+__all__ = ["FakeRunTracker", "Measured", "Run", "fake_world", "optimizer_for", "run_once", "run_real",
+           "train_two_steps"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class Run:
     seq_len: int
     accumulation: int = 1
     optimizer: str = "adamw"
-    """``adamw`` (two fp32 moments per parameter) or ``sgd`` (one: momentum)."""
+    """``adamw`` or ``adamw-fused`` (two fp32 moments per parameter) or ``sgd`` (one: momentum); built
+    by ``optimizer_for``."""
 
     @property
     def ranks_per_node(self) -> int:
@@ -122,9 +124,16 @@ class FakeRunTracker(StorageTracker):
 _DEVICE = torch.ops.prim.device.default
 
 
-def _optimizer(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
+def optimizer_for(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
+    """The plan's optimizer, which every flavor's run steps: ``adamw`` is torch's AdamW one tensor at a time
+    (its temporaries are the size of the tensor it steps: ``exp_avg_sq.sqrt()`` and its quotient);
+    ``adamw-fused`` torch's fused AdamW, which makes none (HF Trainer's default, ``--optim
+    adamw_torch_fused``; DeepSpeed's own FusedAdam, built from a JSON ``optimizer`` section, makes none
+    either); ``sgd`` SGD with momentum."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
@@ -155,7 +164,7 @@ def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, 
     ``skip_repeats``: leave out optimizer calls that repeat another's memory (``NativeStepper.skip_repeats``:
     fake tensors only)."""
     prepare(model, None, spec, allow_approximate=False, replay=replay, device=torch.device("cpu"))  # in place
-    optimizer = _optimizer([p for p in model.parameters() if p.requires_grad], run.optimizer)
+    optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
     engine = model.__dict__["_zerobridge_engine"]
     assert isinstance(engine, Engine)
     engine.stepper.skip_repeats = skip_repeats

@@ -42,13 +42,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zerobridge.backends.base import backend_of
 from zerobridge.backends.fsdp.prepare import judged, prepare
 from zerobridge.errors import ConfigError
-from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world, train_two_steps
+from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world, optimizer_for, train_two_steps
 from zerobridge.planning.models import ModelSource
 from zerobridge.runtime.deferred_init import ShapeReplay
 from zerobridge.runtime.plan import run_fields
 from zerobridge.spec import StrategySpec
 
-__all__ = ["FsdpForm", "fsdp_form", "optimizer_for", "run_fsdp"]
+__all__ = ["FsdpForm", "fsdp_form", "run_fsdp"]
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,6 @@ def _note(key: str, note: str) -> str:
     """One approximation as the plan shows it (``key: note``): ``fsdp_form`` and ``run_fsdp`` write it
     alike, so ``flavors.measure_once`` can tell a form's notes from the model's."""
     return f"{key}: {note}"
-
-
-def optimizer_for(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
-    """The plan's optimizer (as ``fake_run`` steps it): AdamW one tensor at a time, or SGD with momentum."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
 def run_fsdp(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None

@@ -18,7 +18,11 @@ when the storage is freed (a weak reference's callback). A storage grown or
 shrunk in place (``UntypedStorage.resize_``: the engine frees a gathered
 buffer, an offload tier releases its device copy) counts at its new size.
 A wrapper subclass (a DTensor) counts the tensors it wraps, not its own
-storage, which has the global size and no memory behind it. Storages that
+storage, which has the global size and no memory behind it. A meta tensor is
+not counted: it has a shape and no memory (DeepSpeed keeps one per parameter
+at stages 1-2, ``round_robin_bit16_meta``; counted, they put a second copy of
+the parameters in every real DeepSpeed peak). A fake tensor is counted: it
+stands for memory, and is not meta (``is_meta`` is false; its storage is). Storages that
 existed before the tracker started are not counted unless ``adopt`` is given
 them. Bytes are summed over every device: a planning run
 (``zerobridge.planning``) runs on one device, and the host tier's share is known
@@ -90,6 +94,8 @@ class StorageTracker(TorchDispatchMode):
         """Count what ``tensor`` holds: its storage, or for a wrapper subclass (a DTensor) the storages
         of the tensors it wraps. A wrapper's own storage has the global size and no memory behind it:
         counted, a DTensor shard of a 64-way parameter weighed 64 times its bytes."""
+        if tensor.is_meta:  # shape only: no memory behind it (a fake tensor is not meta: it stands for memory)
+            return
         if is_traceable_wrapper_subclass(tensor):
             names, _ = tensor.__tensor_flatten__()
             for name in names:

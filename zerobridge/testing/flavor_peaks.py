@@ -14,9 +14,10 @@
 Every rank runs each config in turn on a fresh model built with real values
 inside a ``StorageTracker`` (the counter ``zerobridge plan`` uses), so
 parameters, optimizer state, each flavor's own buffers and the activations
-all count. Both flavors step the plan's optimizer (torch AdamW, one tensor at
-a time) on the plan's data (random tokens, labels = inputs) for two steps:
-the first creates the optimizer state, the second is the steady state.
+all count. Both flavors step the plan's optimizer (``optimizer``: torch AdamW
+one tensor at a time unless told otherwise) on the plan's data (random tokens,
+labels = inputs) for two steps: the first creates the optimizer state, the
+second is the steady state.
 ``train`` is the highest of the forward, backward and step peaks; ``setup``
 (building and wrapping the model) is returned apart. One launch pays
 DeepSpeed's import and op check once for all its configs.
@@ -34,6 +35,7 @@ from torch import nn
 import zerobridge
 from zerobridge.models import preset_named, tiny_gpt
 from zerobridge.planning.candidates import with_checkpointing
+from zerobridge.planning.fake_run import optimizer_for
 from zerobridge.planning.models import ModelSource, resolve_model
 from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.unit_wrap import checkpointed
@@ -55,8 +57,8 @@ def _tokens(source: ModelSource, micro_batch: int, seq_len: int, step: int) -> t
     return torch.randint(0, max(source.vocab_size, 2), (micro_batch, seq_len), generator=generator)
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=False)
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    return optimizer_for([p for p in model.parameters() if p.requires_grad], name)
 
 
 def _measured(tracker: StorageTracker) -> dict[str, int]:
@@ -78,9 +80,10 @@ def _build(source: ModelSource, recompute: bool) -> nn.Module:
 
 
 def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_batch: int, seq_len: int,
-                    recompute: tuple[str, ...] = ()) -> dict[str, dict[str, int]]:
-    """On every rank: each DeepSpeed JSON of ``configs`` run by ``deepspeed.initialize`` with a client
-    torch optimizer; per config, this rank's peaks by phase and ``train``. Configs named in
+                    recompute: tuple[str, ...] = (), optimizer: str = "adamw") -> dict[str, dict[str, int]]:
+    """On every rank: each DeepSpeed JSON of ``configs`` run by ``deepspeed.initialize`` with the plan's
+    ``optimizer`` (``fake_run.optimizer_for``) as its client optimizer; per config, this rank's peaks by
+    phase and ``train``. Configs named in
     ``recompute`` recompute activations in the model (a DeepSpeed JSON cannot say it): a Hugging Face
     model through ``gradient_checkpointing_enable``, another one unit at a time as the plan's ``+ac``."""
     import deepspeed  # lazy: only DeepSpeed workers need it
@@ -90,7 +93,8 @@ def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_bat
     for name, config in configs.items():
         with StorageTracker() as tracker:
             built = _build(source, name in recompute)
-            engine, *_ = deepspeed.initialize(model=built, optimizer=_optimizer(built), config=config)
+            engine, *_ = deepspeed.initialize(model=built, optimizer=_optimizer(built, optimizer),
+                                               config=config)
             for step in range(2):
                 tokens = _tokens(source, micro_batch, seq_len, step)
                 tracker.phase = "forward"
@@ -109,7 +113,8 @@ def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_bat
 
 
 def fsdp_peaks(*, model: str, specs: dict[str, dict[str, Any]], micro_batch: int, seq_len: int,
-               clip: float | None = 1.0, approximate: bool = False) -> dict[str, dict[str, int]]:
+               clip: float | None = 1.0, approximate: bool = False, optimizer: str = "adamw"
+               ) -> dict[str, dict[str, int]]:
     """On every rank: each spec of ``specs`` run by the FSDP2 backend (``zerobridge.prepare``) with the
     same optimizer, data and clipping; per spec, this rank's peaks by phase and ``train``.
     ``approximate``: a spec FSDP2 cannot run exactly (ZeRO-2) runs as its closest FSDP2 form, as
@@ -119,8 +124,9 @@ def fsdp_peaks(*, model: str, specs: dict[str, dict[str, Any]], micro_batch: int
     for name, spec in specs.items():
         with StorageTracker() as tracker:
             built = _build(source, recompute=False)  # the backend recomputes what the spec says
-            prepared, optimizer = zerobridge.prepare(built, _optimizer(built), config=StrategySpec.model_validate(spec),
-                                                     backend="fsdp", allow_approximate=approximate)
+            prepared, stepped = zerobridge.prepare(built, _optimizer(built, optimizer),
+                                                   config=StrategySpec.model_validate(spec), backend="fsdp",
+                                                   allow_approximate=approximate)
             for step in range(2):
                 tokens = _tokens(source, micro_batch, seq_len, step)
                 tracker.phase = "forward"
@@ -131,10 +137,10 @@ def fsdp_peaks(*, model: str, specs: dict[str, dict[str, Any]], micro_batch: int
                 tracker.phase = "step"
                 if clip is not None:
                     zerobridge.clip_grad_norm_(prepared, clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                stepped.step()
+                stepped.zero_grad(set_to_none=True)
                 tracker.phase = "setup"
-            del prepared, optimizer, built
+            del prepared, stepped, built
             gc.collect()
         out[name] = _measured(tracker)
     return out
