@@ -19,8 +19,8 @@ from zerobridge.errors import ConfigError
 from zerobridge.harness.cluster import Cluster
 from zerobridge.planning import Plan, plan
 from zerobridge.planning.candidates import candidates, deepspeed_form, with_checkpointing
-from zerobridge.planning.deepspeed_memory import buffers_for, deepspeed_config
-from zerobridge.planning.fake_run import Run
+from zerobridge.planning.deepspeed_memory import DeepSpeedBuffers, buffers_for, deepspeed_config
+from zerobridge.planning.fake_run import Measured, Run
 from zerobridge.planning.flavors import (
     FLAVORS,
     NOT_MODELLED,
@@ -86,18 +86,25 @@ def test_deepspeed_terms() -> None:
     assert b.resident == 5000 + 2000 + 150
 
 
+def _deepspeed_beside_native(candidate: str, precision: str, optimizer: str = "adamw"
+                             ) -> tuple[Measured, Measured, DeepSpeedBuffers]:
+    """The tiny Llama's ``candidate`` planned on DeepSpeed and on the native engine, and DeepSpeed's terms."""
+    spec = _spec("tiny-llama", candidate, precision, "deepspeed")
+    source, template = resolve_model("tiny-llama"), resolve_model("tiny-llama").build()
+    run = Run(world_size=WORLD, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, optimizer=optimizer)
+    deepspeed, native = (measure_flavor(source, spec, run, False, f).measured for f in ("deepspeed", "native"))
+    assert deepspeed is not None and native is not None
+    terms = buffers_for(deepspeed_config(spec, template, WORLD), params=sum(p.numel() for p in template.parameters()),
+                        world_size=WORLD)
+    return deepspeed, native, terms
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_deepspeed_stage3_forward_is_the_native_forward_and_deepspeeds_resident_buffers(precision: str) -> None:
     """After the first step the native gradient shard stands for stage 3's flat gradient partition: the
     forward holds the native run's bytes plus DeepSpeed's master copy and flat bucket, nothing twice (the
     partition added back after each step planned the 20M GPT's forward one partition, 38.3 MiB, over)."""
-    spec = _spec("tiny-llama", "zero3", precision, "deepspeed")
-    source, template = resolve_model("tiny-llama"), resolve_model("tiny-llama").build()
-    run = Run(world_size=WORLD, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
-    deepspeed, native = (measure_flavor(source, spec, run, False, f).measured for f in ("deepspeed", "native"))
-    assert deepspeed is not None and native is not None
-    terms = buffers_for(deepspeed_config(spec, template, WORLD), params=sum(p.numel() for p in template.parameters()),
-                        world_size=WORLD)
+    deepspeed, native, terms = _deepspeed_beside_native("zero3", precision)
     assert terms.grad_partition > 0
     assert deepspeed.peaks["forward"] - native.peaks["forward"] == \
         terms.master_copy + terms.reduce_buckets + terms.persistent
@@ -109,17 +116,10 @@ def test_deepspeed_stage2_frees_its_gradient_partition_after_each_step(precision
     gradient shard: the model frees the native shard after each step, so the forward holds the native run's
     bytes less that shard plus DeepSpeed's master copy (the same size in fp32). And with a fused AdamW
     (``--optimizer adamw-fused``, Trainer's default) the step holds no partition-sized temporaries."""
-    spec = _spec("tiny-llama", "zero2", precision, "deepspeed")
-    source, template = resolve_model("tiny-llama"), resolve_model("tiny-llama").build()
-    run = Run(world_size=WORLD, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
-    deepspeed, native = (measure_flavor(source, spec, run, False, f).measured for f in ("deepspeed", "native"))
-    assert deepspeed is not None and native is not None
-    terms = buffers_for(deepspeed_config(spec, template, WORLD), params=sum(p.numel() for p in template.parameters()),
-                        world_size=WORLD)
+    deepspeed, native, terms = _deepspeed_beside_native("zero2", precision)
     assert deepspeed.peaks["forward"] - native.peaks["forward"] == terms.master_copy - terms.grad_partition
-    fused = measure_flavor(source, spec, Run(world_size=WORLD, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN,
-                                              optimizer="adamw-fused"), False, "deepspeed").measured
-    assert fused is not None and terms.adam_temporaries > 0
+    fused, _, _ = _deepspeed_beside_native("zero2", precision, optimizer="adamw-fused")
+    assert terms.adam_temporaries > 0
     assert deepspeed.peaks["step"] - fused.peaks["step"] == terms.adam_temporaries
 
 

@@ -394,14 +394,6 @@ class Engine:
         """Clip every gradient by the global norm over all ranks; return that norm."""
         return self.stepper.clip_grad_norm(max_norm, norm_type)
 
-    def release_grads(self) -> None:
-        """Free every group's gradient store until the next backward makes it again, zeroed, as DeepSpeed's
-        stages 1-2 free their gradient partition after each step (``planning/deepspeed_memory.py`` models
-        them so); the engine otherwise keeps the stores between steps. Call it after the step, with the
-        parameters' gradients cleared."""
-        for group in self.groups:
-            group.release_grads()
-
     def memory(self) -> dict[str, Any]:
         """Model-state bytes on this rank: resident by role, and all of it by tier."""
         return memory(self.groups, self.stepper.optimizers, self.stepper.swapper, self.plan.offload.optimizer)

@@ -38,14 +38,15 @@ besides. So a DeepSpeed candidate is measured in two parts (``run_deepspeed``):
      DeepSpeed's gradient partition, with no term of its own. Stages 1-2: the
      contiguous partition (``grads_in_partition``) holds the backward's
      gradients until the step consumes them and is then freed; the native
-     shard is freed after each step too (``Engine.release_grads``), and in a
+     shard is freed after each step too (``FlatGroup.release_grads``), and in a
      16-bit run before the optimizer runs (the step casts the partition to
      fp32 first). DeepSpeed moves each gradient into its reduce bucket (a
      term) as it is produced, so the native run reduces its gradients in
      buckets of at most the largest parameter rather than holding the whole
      model's gradients in one buffer at the end of its backward (38.7 MiB
-     above its resting state on the tiny Llama in fp32). Stage 3's flat gradient partition
-     (``grad_partitions_flat_buffer``), from setup until the first backward.
+     above its resting state on the tiny Llama in fp32). Stage 3's flat
+     gradient partition (``grad_partitions_flat_buffer``), from setup until
+     the first backward.
      From there the native engine's gradient shard holds the same gradients
      and stands for it: the engine keeps that shard between steps (zeroed, not
      freed). Counting both held the gradients twice: in the backward (the 20M
@@ -236,6 +237,14 @@ def _persistent_params(model: nn.Module, threshold: int) -> int:
     return sum(p.numel() for p in model.parameters() if p.numel() <= threshold)
 
 
+def _release_grads(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
+    """Free the native engine's gradient shards until the next backward makes them again, zeroed (a
+    parameter's gradient is a view of its shard, so those are cleared first)."""
+    optimizer.zero_grad(set_to_none=True)
+    for group in engine.groups:
+        group.release_grads()
+
+
 def _first_gradient_hooks(model: nn.Module, fire: Callable[[], None]) -> None:
     """Call ``fire`` when a gradient of a module with parameters is ready (the hook sits on the
     module's input: its backward node computes the parameters' gradients as well)."""
@@ -291,7 +300,7 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
             # once the next gradient does not fit, and holds none in flight: the native run lands each
             # unit's reduction as it issues it
             engine.reductions.limit = 0
-        optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
+        optimizer = optimizer_for(model, run.optimizer)
         # stage 3's flat gradient partition: held until the first backward, where the native gradient
         # shard, kept from then on, starts to stand for it (counting both held the gradient twice)
         flat_grads = terms.grad_partition if terms.stage == 3 else 0
@@ -326,19 +335,19 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
             tracker.phase = NATIVE_STEP
             optimizer.step()
             tracker.phase = "step"
-            if terms.stage < 3 and terms.fp32_grad_copy:
-                # a 16-bit stage 1-2 step casts its gradient partition to fp32 and drops it before the
-                # optimizer runs: the native shard, which stood for the partition, goes with it
-                optimizer.zero_grad(set_to_none=True)
-                engine.release_grads()
+            # stages 1-2 free their gradient partition with the step, where the native engine keeps the
+            # shard that stood for it: a 16-bit step casts the partition to fp32 and drops it before the
+            # optimizer runs, an fp32 step after
+            early = terms.stage < 3 and terms.fp32_grad_copy > 0
+            if early:
+                _release_grads(engine, optimizer)
             working = torch.empty(terms.fp32_grad_copy + terms.adam_temporaries * (run.optimizer == "adamw"),
                                   dtype=torch.uint8)
             del working
-            optimizer.zero_grad(set_to_none=True)
-            if terms.stage < 3:
-                # DeepSpeed frees its gradient partition with the step (the native shard stood for it
-                # through the backward and the step); the native engine would keep its shard
-                engine.release_grads()
+            if terms.stage == 3:
+                optimizer.zero_grad(set_to_none=True)
+            elif not early:
+                _release_grads(engine, optimizer)
         del held, grad_buffer
         memory = engine.memory()
         stats = engine.stats

@@ -124,12 +124,13 @@ class FakeRunTracker(StorageTracker):
 _DEVICE = torch.ops.prim.device.default
 
 
-def optimizer_for(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
-    """The plan's optimizer, which every flavor's run steps: ``adamw`` is torch's AdamW one tensor at a time
-    (its temporaries are the size of the tensor it steps: ``exp_avg_sq.sqrt()`` and its quotient);
-    ``adamw-fused`` torch's fused AdamW, which makes none (HF Trainer's default, ``--optim
-    adamw_torch_fused``; DeepSpeed's own FusedAdam, built from a JSON ``optimizer`` section, makes none
-    either); ``sgd`` SGD with momentum."""
+def optimizer_for(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    """The plan's optimizer over ``model``'s trainable parameters, which every flavor's run steps:
+    ``adamw`` is torch's AdamW one tensor at a time (its temporaries are the size of the tensor it steps:
+    ``exp_avg_sq.sqrt()`` and its quotient); ``adamw-fused`` torch's fused AdamW, which makes none (HF
+    Trainer's default, ``--optim adamw_torch_fused``; DeepSpeed's own FusedAdam, built from a JSON
+    ``optimizer`` section, makes none either); ``sgd`` SGD with momentum."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     if name == "adamw-fused":
@@ -164,7 +165,7 @@ def _two_steps(source: ModelSource, model: torch.nn.Module, spec: StrategySpec, 
     ``skip_repeats``: leave out optimizer calls that repeat another's memory (``NativeStepper.skip_repeats``:
     fake tensors only)."""
     prepare(model, None, spec, allow_approximate=False, replay=replay, device=torch.device("cpu"))  # in place
-    optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
+    optimizer = optimizer_for(model, run.optimizer)
     engine = model.__dict__["_zerobridge_engine"]
     assert isinstance(engine, Engine)
     engine.stepper.skip_repeats = skip_repeats

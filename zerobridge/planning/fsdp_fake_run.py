@@ -94,7 +94,7 @@ def run_fsdp(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
     model = source.build(layers)
     with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
             FakeRunTracker() as tracker:
-        optimizer = optimizer_for([p for p in model.parameters() if p.requires_grad], run.optimizer)
+        optimizer = optimizer_for(model, run.optimizer)
         prepared = prepare(model, optimizer, spec, allow_approximate=True, replay=ShapeReplay(model),
                            device=torch.device("cpu"))
         assert isinstance(prepared, tuple)

@@ -22,8 +22,8 @@ storage, which has the global size and no memory behind it. A meta tensor is
 not counted: it has a shape and no memory (DeepSpeed keeps one per parameter
 at stages 1-2, ``round_robin_bit16_meta``; counted, they put a second copy of
 the parameters in every real DeepSpeed peak). A fake tensor is counted: it
-stands for memory, and is not meta (``is_meta`` is false; its storage is). Storages that
-existed before the tracker started are not counted unless ``adopt`` is given
+stands for memory, and is not meta (``is_meta`` is false; its storage is).
+Storages that existed before the tracker started are not counted unless ``adopt`` is given
 them. Bytes are summed over every device: a planning run
 (``zerobridge.planning``) runs on one device, and the host tier's share is known
 exactly from the engine's accounting.

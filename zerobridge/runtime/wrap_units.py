@@ -183,4 +183,3 @@ def bucket_sizes(model: nn.Module, spec: StrategySpec, *, world_size: int | None
     return BucketSizes.for_unit(counts[largest], unit=names[id(units[largest])],
                                 ranks=world_size or spec.sharding.world_size, model=sum(counts),
                                 hidden=hidden_size(model))
-

@@ -57,10 +57,6 @@ def _tokens(source: ModelSource, micro_batch: int, seq_len: int, step: int) -> t
     return torch.randint(0, max(source.vocab_size, 2), (micro_batch, seq_len), generator=generator)
 
 
-def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    return optimizer_for([p for p in model.parameters() if p.requires_grad], name)
-
-
 def _measured(tracker: StorageTracker) -> dict[str, int]:
     peaks = dict(tracker.peaks)
     return {**peaks, "train": max(peaks.get(p, 0) for p in TRAINING)}
@@ -93,7 +89,7 @@ def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_bat
     for name, config in configs.items():
         with StorageTracker() as tracker:
             built = _build(source, name in recompute)
-            engine, *_ = deepspeed.initialize(model=built, optimizer=_optimizer(built, optimizer),
+            engine, *_ = deepspeed.initialize(model=built, optimizer=optimizer_for(built, optimizer),
                                                config=config)
             for step in range(2):
                 tokens = _tokens(source, micro_batch, seq_len, step)
@@ -124,7 +120,7 @@ def fsdp_peaks(*, model: str, specs: dict[str, dict[str, Any]], micro_batch: int
     for name, spec in specs.items():
         with StorageTracker() as tracker:
             built = _build(source, recompute=False)  # the backend recomputes what the spec says
-            prepared, stepped = zerobridge.prepare(built, _optimizer(built, optimizer),
+            prepared, stepped = zerobridge.prepare(built, optimizer_for(built, optimizer),
                                                    config=StrategySpec.model_validate(spec), backend="fsdp",
                                                    allow_approximate=approximate)
             for step in range(2):
