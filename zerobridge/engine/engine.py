@@ -12,7 +12,8 @@ Calls go one way: the hooks here drive units (``schedule.py`` gathers them,
 CUDA the gathers and reductions run on side streams (``streams.py``).
 
 [Note: life of a step]
-forward  root pre-hook: cast inputs, show the replicated group's views.
+forward  root pre-hook: cast inputs, show the replicated groups' views (each
+         bucket cut again at its first module: ``bucket_views.py``).
          unit pre-hook: all-gather the unit (sharded groups), prefetch the
          next one, show full-shape views; post-hook: hide them, free the
          gathered buffer if resharding after forward, hook the outputs.
@@ -41,6 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from zerobridge.engine import collectives
+from zerobridge.engine.bucket_views import ReplicatedViews
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.grad_store import attach_grads
 from zerobridge.engine.grouping import build_groups
@@ -118,6 +120,7 @@ class Engine:
         self.groups = [g for u in self.units for g in u.groups] + self.replicated
         self.unit_of = {id(g): u for u in self.units for g in u.groups}
         self.trainable = [g for g in self.groups if g.plan.trainable]
+        self.views = ReplicatedViews(self.replicated, modules, self.plan.spec.compile)
 
     def _swapper(self) -> StateSwapper | None:
         """The streamed step of the nvme optimizer tier, when the spec asks for it."""
@@ -211,15 +214,13 @@ class Engine:
         self.streams.begin_pass()
         if self.plan.compute_dtype != torch.float32:
             args, kwargs = cast_floats((args, kwargs), self.plan.compute_dtype)
-        for group in self.replicated:
-            group.install(mark_used=grad)
+        self.views.begin(grad)
         return args, kwargs
 
     def _root_post_forward(self, output: Any, *, grad: bool) -> Any:
         """The forward pass ends: hide the replicated groups' views and scale the outputs' gradients
         by the loss scale (fp16)."""
-        for group in self.replicated:
-            group.restore()
+        self.views.end()
         if grad and self.stepper.scaler.enabled:
             output = pytree.tree_map(lambda t: ScaleGrad.apply(t, self.stepper.scaler.scale)
                                      if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
@@ -309,7 +310,7 @@ class Engine:
         if not self.window.in_backward:
             self._begin_backward()
         if self.window.reduces:
-            self.reductions.ready.add((id(group), b))
+            self.reductions.arrived(group, b)
             if self.plan.overlap_reduce:
                 self.reductions.launch(self.plan.gradient_divisor)
         else:

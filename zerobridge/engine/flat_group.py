@@ -154,6 +154,10 @@ class FlatGroup:
             release(self.shard)
         # Gradient state.
         self.grad_store: torch.Tensor | None = None
+        self.defer_store = False
+        """Make a freed gradient store at its first reduction (``store``), not when the window opens:
+        DeepSpeed's stages 1-2 make their gradient partition at its first gradient, and the
+        DeepSpeed memory model (``planning/deepspeed_memory.py``) sets this to hold it as late."""
         self.local_acc: torch.Tensor | None = None
         self.store_is_accumulator = False
         self.accumulated = [False] * len(layout.buckets)
@@ -295,14 +299,20 @@ class FlatGroup:
 
     def install(self, mark_used: bool) -> None:
         """Point every module slot at a full-shape view of the gathered leaf."""
-        for bucket, leaf in zip(self.layout.buckets, self.leaves):
-            pieces = leaf.split(self.layout.split_sizes(bucket))
-            for k, i in enumerate(bucket.params):
-                view = pieces[k].view(self.refs[i].shape)
-                if mark_used and view.requires_grad:
-                    view.register_hook(self._used_hook(i))
-                for module, attr in self.refs[i].slots:
-                    module._parameters[attr] = view
+        for b in range(len(self.layout.buckets)):
+            self.install_bucket(b, mark_used)
+
+    def install_bucket(self, b: int, mark_used: bool) -> None:
+        """Point the slots of bucket ``b``'s parameters at fresh views of its leaf (one split node;
+        ``bucket_views.py`` says why the moment it is cut matters)."""
+        bucket = self.layout.buckets[b]
+        pieces = self.leaves[b].split(self.layout.split_sizes(bucket))
+        for k, i in enumerate(bucket.params):
+            view = pieces[k].view(self.refs[i].shape)
+            if mark_used and view.requires_grad:
+                view.register_hook(self._used_hook(i))
+            for module, attr in self.refs[i].slots:
+                module._parameters[attr] = view
 
     def _used_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -326,8 +336,8 @@ class FlatGroup:
         self.used = [False] * len(self.refs)
         cleared = [p.grad is None and not self.pending for p in self.params]
         if self.grad_store is None:
-            size = self.layout.shard_numel if self.plan.shard_grads else self.layout.numel
-            self.grad_store = torch.zeros(size, dtype=self.plan.accumulate_dtype, device=self.full.device)
+            if not self.defer_store:
+                self.store()
         elif all(cleared):
             self.grad_store.zero_()
         else:
@@ -335,6 +345,13 @@ class FlatGroup:
                 if was_cleared:
                     self.store_view(i).zero_()
         self.store_is_accumulator = single_reduce and not self.plan.shard_grads and all(cleared)
+
+    def store(self) -> torch.Tensor:
+        """The gradient store, made (zeroed) when there is none."""
+        if self.grad_store is None:
+            size = self.layout.shard_numel if self.plan.shard_grads else self.layout.numel
+            self.grad_store = torch.zeros(size, dtype=self.plan.accumulate_dtype, device=self.full.device)
+        return self.grad_store
 
     def release_grads(self) -> None:
         """Free the gradient store between steps (``begin_window`` makes it again, zeroed). The
@@ -344,8 +361,7 @@ class FlatGroup:
 
     def accumulator(self) -> torch.Tensor:
         if self.store_is_accumulator:
-            assert self.grad_store is not None
-            return self.grad_store
+            return self.store()
         if self.local_acc is None:
             self.local_acc = torch.zeros(self.layout.numel, dtype=self.plan.accumulate_dtype, device=self.full.device)
         return self.local_acc

@@ -84,8 +84,7 @@ def reduce_bucket(group: FlatGroup, b: int, divisor: float, streams: Streams) ->
             work = collectives.reduce_scatter(y, x, mesh.reduce, group.stats, async_op=in_flight)
         scattered = streams.mark("reduce")
     across_replicas = layout.shards > 1 and mesh.replicas > 1
-    assert group.grad_store is not None
-    dst = group.grad_store[bucket.in_shard if plan.shard_grads else bucket.piece_of(r)]
+    dst = group.store()[bucket.in_shard if plan.shard_grads else bucket.piece_of(r)]
 
     def store() -> Reduction | None:
         if not same_memory(y, dst):
@@ -116,6 +115,10 @@ class ReductionQueue:
         self.limit = MAX_INFLIGHT_REDUCTIONS
         """Links left in flight at once; 0 lands each as it is issued (the DeepSpeed memory model's
         stage 3, whose reductions do not overlap the backward's next gradients)."""
+        self.arrival = False
+        """Issue buckets in the order they become ready, not ``order``: DeepSpeed's stages 1-2. Only
+        where every rank's backward makes its gradients in one order (the DeepSpeed memory model's
+        fake world); the engine's fixed order holds on any model."""
         self.ready: set[tuple[int, int]] = set()
         self.cursor = 0
         self.pending: list[Reduction] = []
@@ -124,6 +127,14 @@ class ReductionQueue:
         """A new backward pass: no bucket is ready."""
         self.ready.clear()
         self.cursor = 0
+
+    def arrived(self, group: FlatGroup, b: int) -> None:
+        """Bucket ``b`` of ``group`` is ready (with ``arrival``, it goes first among those not issued)."""
+        self.ready.add((id(group), b))
+        if self.arrival:
+            at = next(k for k in range(self.cursor, len(self.order))
+                      if self.order[k][0] is group and self.order[k][1] == b)
+            self.order.insert(self.cursor, self.order.pop(at))
 
     def launch(self, divisor: float, *, flush: bool = False) -> None:
         """Issue the ready buckets at the head of the order (``flush``: every bucket left,
