@@ -19,7 +19,8 @@ from zerobridge.errors import ConfigError
 from zerobridge.harness.cluster import Cluster
 from zerobridge.planning import Plan, plan
 from zerobridge.planning.candidates import candidates, deepspeed_form, with_checkpointing
-from zerobridge.planning.deepspeed_memory import DeepSpeedBuffers, buffers_for, deepspeed_config
+from zerobridge.planning.deepspeed_memory import deepspeed_config
+from zerobridge.planning.deepspeed_terms import DeepSpeedBuffers, buffers_for, stage1_kept
 from zerobridge.planning.fake_run import Measured, Run
 from zerobridge.planning.flavors import (
     FLAVORS,
@@ -48,13 +49,9 @@ CELLS = {("deepspeed", 2): [("tiny-llama", "zero1", "bf16"), ("tiny-llama", "zer
                             ("tiny-gpt:20m", "zero3+ac", "fp32")],
          ("fsdp2", 2): [("tiny-llama", "zero2", "fp32"), ("tiny-llama", "zero3+ac", "bf16"), ("qwen2", "zero3", "fp32"),
                         ("qwen2", "zero2+ac", "bf16"), ("tiny-gpt:20m", "zero3+ac", "fp32")],
-         ("deepspeed", 4): [("tiny-llama", "zero2+ac", "fp32"), ("tiny-llama", "zero3", "bf16")],
+         ("deepspeed", 4): [("tiny-llama", "zero1+ac", "fp32"), ("tiny-llama", "zero2+ac", "fp32"),
+                            ("tiny-llama", "zero3", "bf16")],
          ("fsdp2", 4): [("tiny-llama", "zero2", "bf16"), ("tiny-llama", "zero3+ac", "fp32")]}
-GAPS = {("deepspeed", 2, "qwen2", "zero1+ac", "fp32"): 0.15, ("deepspeed", 4, "tiny-llama", "zero2+ac", "fp32"): 0.35}
-"""Cells the plan misses by more than ``WITHIN``, each held to the bound given (docs/plan.md says why). Both
-are planned high, never low: with checkpointing at stages 1-2 the native run's backward holds more than
-DeepSpeed's (its gradient shard from the backward's start; bucket gradients waiting for the native
-engine's fixed reduction order). Measured +10.7% and +29.4%."""
 """(model, candidate, precision) per flavor and world size; FSDP2's zero2 is its closest form
 (reshard_after_forward=False). The issue's three models (the 20M GPT, a tiny Llama, a Qwen2 config), stages 1 to 3
 with and without checkpointing, fp32 and bf16, at world 2 and 4; bench/plan_flavors.py runs every cell."""
@@ -84,18 +81,22 @@ def test_deepspeed_terms() -> None:
     # stage 3: one preallocated flat bucket, the flat gradient partition, persistent parameters whole
     assert (b.master_copy, b.reduce_buckets, b.fp32_grad_copy, b.persistent) == (0, 2000, 10_000, 150)
     assert b.resident == 5000 + 2000 + 150
+    # stage 1 keeps its large gradients outside the partition until the step, in the parameters' dtype
+    stage1 = fp32 | {"zero_optimization": fp32["zero_optimization"] | {"stage": 1}}
+    assert buffers_for(stage1, params=10_001, world_size=2, kept=300).kept_grads == 1200
+    assert buffers_for(fp32, params=10_001, world_size=2, kept=300).kept_grads == 0
 
 
-def _deepspeed_beside_native(candidate: str, precision: str, optimizer: str = "adamw"
+def _deepspeed_beside_native(candidate: str, precision: str, optimizer: str = "adamw", world: int = WORLD
                              ) -> tuple[Measured, Measured, DeepSpeedBuffers]:
     """The tiny Llama's ``candidate`` planned on DeepSpeed and on the native engine, and DeepSpeed's terms."""
-    spec = _spec("tiny-llama", candidate, precision, "deepspeed")
+    spec = _spec("tiny-llama", candidate, precision, "deepspeed", world)
     source, template = resolve_model("tiny-llama"), resolve_model("tiny-llama").build()
-    run = Run(world_size=WORLD, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, optimizer=optimizer)
+    run = Run(world_size=world, nodes=1, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, optimizer=optimizer)
     deepspeed, native = (measure_flavor(source, spec, run, False, f).measured for f in ("deepspeed", "native"))
     assert deepspeed is not None and native is not None
-    terms = buffers_for(deepspeed_config(spec, template, WORLD), params=sum(p.numel() for p in template.parameters()),
-                        world_size=WORLD)
+    terms = buffers_for(deepspeed_config(spec, template, world), params=sum(p.numel() for p in template.parameters()),
+                        world_size=world)
     return deepspeed, native, terms
 
 
@@ -115,12 +116,32 @@ def test_deepspeed_stage2_frees_its_gradient_partition_after_each_step(precision
     """DeepSpeed's stages 1-2 free their gradient partition with the step, where the native engine keeps its
     gradient shard: the model frees the native shard after each step, so the forward holds the native run's
     bytes less that shard plus DeepSpeed's master copy (the same size in fp32). And with a fused AdamW
-    (``--optimizer adamw-fused``, Trainer's default) the step holds no partition-sized temporaries."""
+    (``--optimizer adamw-fused``, Trainer's default) the step holds no temporaries of its own, and peaks at the
+    flat copy of the partition's gradients instead (measured on real DeepSpeed: 57.3 MiB against 66.8 with
+    torch's AdamW, tiny Llama, bf16 with checkpointing)."""
     deepspeed, native, terms = _deepspeed_beside_native("zero2", precision)
     assert deepspeed.peaks["forward"] - native.peaks["forward"] == terms.master_copy - terms.grad_partition
     fused, _, _ = _deepspeed_beside_native("zero2", precision, optimizer="adamw-fused")
-    assert terms.adam_temporaries > 0
-    assert deepspeed.peaks["step"] - fused.peaks["step"] == terms.adam_temporaries
+    assert terms.adam_temporaries > 0 and terms.flat_copy == terms.grad_partition
+    # torch's AdamW peaks with its two temporaries beside the fp32 gradient (fp32: the flat copy itself); a fused
+    # one makes none, and peaks where the flat copy (16-bit: and its fp32 cast) sits beside the partition
+    fp32_grad = terms.fp32_grad_copy or terms.flat_copy
+    assert deepspeed.peaks["step"] - fused.peaks["step"] == \
+        fp32_grad + terms.adam_temporaries - (terms.grad_partition + terms.flat_copy + terms.fp32_grad_copy)
+
+
+def test_deepspeed_stage1_keeps_large_gradients_outside_its_partition_until_the_step() -> None:
+    """DeepSpeed's stage 1 clears the gradients of parameters outside the rank's partition only at the step,
+    and one larger than the reduce bucket keeps its own tensor (``kept_grads``): the backward holds more than
+    stage 2's, at most those bytes, and the step no more (real DeepSpeed on 4 ranks, the tiny Llama in fp32
+    with checkpointing: 4.0 to 7.8 MiB more per rank than at stage 2; planned without them, 7.8% under)."""
+    stage1, _, _ = _deepspeed_beside_native("zero1+ac", "fp32", world=4)
+    stage2, _, terms = _deepspeed_beside_native("zero2+ac", "fp32", world=4)
+    numels = [p.numel() for p in resolve_model("tiny-llama").build().parameters()]
+    kept = stage1_kept(numels, world_size=4, bucket=256 * 256)  # the JSON's reduce bucket: hidden_size^2
+    assert kept == [0, 5, 6, 7, 14, 15, 16, 34, 38]  # rank 2 of 4 leaves out most: embedding, head, 7 MLP weights
+    assert 0 < stage1.peaks["backward"] - stage2.peaks["backward"] <= terms.dtype_bytes * sum(numels[i] for i in kept)
+    assert stage1.peaks["step"] == stage2.peaks["step"]
 
 
 def test_a_dtensor_counts_its_local_shard_not_its_global_size() -> None:
@@ -167,7 +188,7 @@ def test_a_meta_tensor_holds_no_memory_and_a_fake_one_does() -> None:
 
 
 def test_deepspeed_sub_groups_are_cut_as_deepspeed_cuts_them() -> None:
-    from zerobridge.planning.deepspeed_memory import largest_sub_group
+    from zerobridge.planning.deepspeed_terms import largest_sub_group
 
     # partitions on 2 ranks: 5, 3, 2, 4, 1; a sub-group closes once it holds 4 or more
     assert largest_sub_group([10, 5, 4, 8, 1], world_size=2, sub_group_size=4) == 5  # [5] [3, 2] [4] [1]
@@ -390,7 +411,7 @@ def test_deepspeed_plan_within_10_percent_of_real_deepspeed(world: int, folder: 
     pytest.importorskip("deepspeed")
     errors = _errors(_real("deepspeed", world, folder), "deepspeed", world, folder)
     assert len(errors) == len(CELLS["deepspeed", world])
-    assert all(-WITHIN <= e <= GAPS.get(("deepspeed", world, *cell), WITHIN) for cell, e in errors.items()), errors
+    assert all(abs(e) <= WITHIN for e in errors.values()), errors
 
 
 @pytest.mark.distributed

@@ -1,12 +1,5 @@
 """DeepSpeed's memory, modelled: the native engine's fake run of the same layout, plus the buffers DeepSpeed adds.
 
-    >>> from zerobridge.planning.deepspeed_memory import buffers_for
-    >>> config = {"bf16": {"enabled": False},
-    ...           "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 1000}}
-    >>> b = buffers_for(config, params=10_000, world_size=2)
-    >>> b.master_copy, b.grad_partition, b.reduce_buckets, b.fp32_grad_copy
-    (20000, 20000, 8000, 0)
-
 Real DeepSpeed does not run on fake tensors: ``deepspeed.initialize`` moves the
 module to its accelerator (``module.to(device)``), which cannot swap a fake
 parameter (``_apply(): Couldn't swap Embedding.weight``, DeepSpeed 0.19.8,
@@ -25,63 +18,23 @@ besides. So a DeepSpeed candidate is measured in two parts (``run_deepspeed``):
    on each shard) are the native engine's, and DeepSpeed's own are terms;
 2. fake tensors of DeepSpeed's own buffers are allocated and freed beside it at
    the moments DeepSpeed allocates and frees them, so the tracker counts them
-   where they overlap the rest. Each is a named term of ``DeepSpeedBuffers``,
-   sized from the JSON ``plan --to deepspeed`` writes for the candidate
-   (``write_deepspeed``):
+   where they overlap the rest. Each is a named term of ``DeepSpeedBuffers``
+   (``deepspeed_terms.py`` says what each holds and when), sized from the JSON
+   ``plan --to deepspeed`` writes for the candidate (``write_deepspeed``).
+   Where DeepSpeed's order differs from the native engine's, the native run is
+   told: it makes its gradient shard at its first reduction, reduces buckets
+   in the order they fill and holds none in flight (stages 1-2), and stage 1
+   keeps the gradients DeepSpeed keeps (``kept_grads``).
 
-   - ``master_copy``: DeepSpeed keeps an fp32 master partition apart from the
-     parameters even in an fp32 run (``single_partition_of_fp32_groups``,
-     ``fp32_partitioned_groups_flat``); the native engine steps its fp32
-     parameters in place, and in a mixed run holds the master as DeepSpeed does
-     (no term). From setup on.
-   - ``grad_partition``: the native engine's own gradient shard stands for
-     DeepSpeed's gradient partition, with no term of its own. Stages 1-2: the
-     contiguous partition (``grads_in_partition``) holds the backward's
-     gradients until the step consumes them and is then freed; the native
-     shard is freed after each step too (``FlatGroup.release_grads``), and in a
-     16-bit run before the optimizer runs (the step casts the partition to
-     fp32 first). DeepSpeed moves each gradient into its reduce bucket (a
-     term) as it is produced, so the native run reduces its gradients in
-     buckets of at most the largest parameter rather than holding the whole
-     model's gradients in one buffer at the end of its backward (38.7 MiB
-     above its resting state on the tiny Llama in fp32). Stage 3's flat
-     gradient partition (``grad_partitions_flat_buffer``), from setup until
-     the first backward.
-     From there the native engine's gradient shard holds the same gradients
-     and stands for it: the engine keeps that shard between steps (zeroed, not
-     freed). Counting both held the gradients twice: in the backward (the 20M
-     GPT's ZeRO-3 fp32 backward planned 26% over real DeepSpeed), and, with
-     the partition added back after each step, through the next forward (the
-     same model's forward planned 307.6 MiB against DeepSpeed's 269.7, one
-     38.3 MiB partition over).
-   - ``reduce_buckets``: stages 1-2 allocate ``reduce_bucket_size`` elements in
-     the parameters' dtype when the first gradient of a micro-step is ready
-     (``setup_buckets``), twice with ``overlap_comm``, and free them at the end
-     of that backward. Stage 3 preallocates one flat bucket at setup
-     (``__ipg_bucket_flat_buffer``) and keeps it. It flushes the bucket once
-     the next gradient does not fit, and reduces a gradient larger than the
-     bucket on its own (the JSON written for a known model sizes it to
-     hidden_size^2), holding no reduction in flight: the native run of a
-     stage-3 candidate lands each unit's reduction as it issues it
-     (``ReductionQueue.limit`` 0). With the native engine's two in flight the
-     model planned the 20M GPT's ZeRO-3 fp32 with checkpointing 15.6% over
-     real DeepSpeed; landed at once, 5.5%.
-   - ``fp32_grad_copy``: the flat fp32 gradient the optimizer steps: in a
-     16-bit run the step casts the gradient partition to fp32
-     (``single_grad_partition``); stage 3 flattens it in fp32 too
-     (``_prepare_fp32_grad_for_sub_group``: ``flatten(...)`` is a copy).
-   - ``adam_temporaries``: torch's AdamW steps DeepSpeed's one flat fp32
-     partition, so its two temporaries (``exp_avg_sq.sqrt()`` and its quotient)
-     are partition-sized, on top of the optimizer state and the fp32 gradient:
-     where a real stage-3 bf16 run peaks (``stage3.py`` ``_optimizer_step``,
-     measured: 30.0 MB above the live bytes after backward on the tiny Llama,
-     the fp32 gradient and two temporaries of 10.0 MB each). At stage 3 both
-     are one sub-group's (``largest_sub_group``): DeepSpeed steps its
-     partition a sub-group at a time, and the JSON written for a known model
-     sizes ``sub_group_size`` to the largest unit's partition.
-   - ``persistent``: stage-3 parameters of at most
-     ``stage3_param_persistence_threshold`` elements stay whole on every rank.
-   - DeepSpeed's all-gather bucket allocates nothing of its own.
+    >>> from zerobridge.planning.candidates import deepspeed_form
+    >>> from zerobridge.planning.deepspeed_memory import deepspeed_config
+    >>> from zerobridge.planning.models import resolve_model
+    >>> from zerobridge.spec.presets import spec_for_stage
+    >>> model = resolve_model("tiny-llama").build()
+    >>> zero2, _ = deepspeed_form(spec_for_stage(2, model), model, own=False)   # the plan's candidate
+    >>> zero = deepspeed_config(zero2, model, world_size=2)["zero_optimization"]
+    >>> zero["reduce_bucket_size"] == 256 * 256       # hidden_size^2, as Trainer fills "auto"
+    True
 
 DeepSpeed's stages 1-2 also keep a meta tensor per parameter
 (``round_robin_bit16_meta``): shapes, no memory, and not counted
@@ -103,13 +56,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerobridge.backends.native.prepare import prepare
 from zerobridge.engine import Engine
 from zerobridge.errors import ConfigError
+from zerobridge.planning.deepspeed_terms import DeepSpeedBuffers, buffers_for, largest_sub_group, stage1_kept
 from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world, optimizer_for
 from zerobridge.planning.models import ModelSource
 from zerobridge.runtime.deferred_init import ShapeReplay
@@ -118,73 +71,11 @@ from zerobridge.spec import OffloadDevice, ShardingSpec, StrategySpec
 from zerobridge.translate.deepspeed_buckets import UNBOUNDED
 from zerobridge.translate.deepspeed_write import write_deepspeed
 
-__all__ = ["DeepSpeedBuffers", "buffers_for", "deepspeed_config", "largest_sub_group", "run_deepspeed"]
+__all__ = ["deepspeed_config", "run_deepspeed"]
 
 MODELLED_STAGES = (1, 2, 3)
 NATIVE_STEP = "native step"
 """The tracker's phase for the native engine's own optimizer step: left out of the peaks."""
-
-
-class DeepSpeedBuffers(BaseModel):
-    """DeepSpeed's buffers beyond the native engine's, in bytes per rank (module docstring)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    stage: int
-    dtype_bytes: int
-    """Bytes per element of the parameters (and gradients): 4 in fp32, 2 in bf16 or fp16."""
-    master_copy: int
-    grad_partition: int
-    reduce_buckets: int
-    """Stages 1-2: per micro-step, while the backward runs; stage 3: the one flat bucket, from setup on."""
-    fp32_grad_copy: int
-    adam_temporaries: int = 0
-    """Torch AdamW steps DeepSpeed's one flat fp32 partition, so its temporaries are partition-sized:
-    ``denom = exp_avg_sq.sqrt() / c`` holds two at once (the square root and the quotient), both
-    counted. The native engine's own step temporaries (its per-tile fp32 casts and AdamW's on each
-    shard) are not DeepSpeed's: the native step runs uncounted (``NATIVE_STEP``) and these terms
-    stand for DeepSpeed's."""
-    persistent: int = 0
-
-    @property
-    def resident(self) -> int:
-        """Bytes held from setup on."""
-        held = self.master_copy + self.persistent
-        return held + (self.grad_partition + self.reduce_buckets if self.stage == 3 else 0)
-
-
-def largest_sub_group(numels: list[int], *, world_size: int, sub_group_size: int) -> int:
-    """Partition elements of the largest stage-3 sub-group, cut as DeepSpeed cuts them: parameters in
-    order, each adding its partition (``ceil(numel / world_size)``), a sub-group closed once it holds
-    ``sub_group_size`` or more (so it can pass the size by one parameter's partition)."""
-    largest = filled = 0
-    for part in (-(-n // world_size) for n in numels):
-        filled += part
-        if filled >= sub_group_size:
-            largest, filled = max(largest, filled), 0
-    return max(largest, filled)
-
-
-def buffers_for(config: dict[str, Any], *, params: int, world_size: int,
-                persistent_params: int = 0, sub_group: int | None = None) -> DeepSpeedBuffers:
-    """The terms for a DeepSpeed JSON ``config`` training ``params`` parameters on ``world_size``
-    ranks; ``persistent_params``: stage-3 elements kept whole (at most the persistence threshold each);
-    ``sub_group``: the largest stage-3 sub-group's elements (``largest_sub_group``; the whole
-    partition when not given): the step's fp32 gradient copy and AdamW's temporaries are its size."""
-    zero = config.get("zero_optimization", {})
-    stage = int(zero.get("stage", 0))
-    low = bool(config.get("bf16", {}).get("enabled")) or bool(config.get("fp16", {}).get("enabled"))
-    size = 2 if low else 4
-    part = -(-params // world_size)
-    bucket = int(zero.get("reduce_bucket_size", 500_000_000))
-    overlap = bool(zero.get("overlap_comm", stage == 3))
-    copies = 2 if overlap and stage < 3 else 1
-    shared = persistent_params - persistent_params // world_size
-    stepped = min(part, sub_group) if stage == 3 and sub_group is not None else part
-    return DeepSpeedBuffers(stage=stage, dtype_bytes=size, master_copy=0 if low else 4 * part,
-                            grad_partition=size * part, reduce_buckets=copies * size * bucket,
-                            fp32_grad_copy=4 * stepped if low or stage == 3 else 0, adam_temporaries=2 * 4 * stepped,
-                            persistent=size * shared if stage == 3 else 0)
 
 
 def _not_modelled(spec: StrategySpec) -> str | None:
@@ -263,6 +154,20 @@ def _first_gradient_hooks(model: nn.Module, fire: Callable[[], None]) -> None:
             module.register_forward_hook(hook)
 
 
+def _kept_grad_hooks(engine: Engine, kept: set[int], size: int) -> list[torch.Tensor]:
+    """A list that gets stage 1's kept gradient (``kept_grads``) of each parameter whose id (before
+    ``prepare``) is in ``kept`` once its bucket's gradient is ready; the caller clears it at the step.
+    Such a parameter is larger than the reduce bucket the native run is cut in, so its bucket is its own."""
+    held: list[torch.Tensor] = []
+    for group in engine.trainable:
+        for b, bucket in enumerate(group.layout.buckets):
+            numel = sum(group.refs[i].numel for i in bucket.params if group.refs[i].source_id in kept)
+            if numel:
+                group.leaves[b].register_post_accumulate_grad_hook(
+                    lambda leaf, n=numel: held.append(torch.empty(n * size, dtype=torch.uint8)))
+    return held
+
+
 def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int | None = None
                   ) -> tuple[Measured, DeepSpeedBuffers]:
     """Two fake steps of ``spec`` as DeepSpeed would hold them (module docstring), and the terms."""
@@ -273,17 +178,22 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
     numels = [p.numel() for p in model.parameters() if p.requires_grad]
     sub_group = largest_sub_group(numels, world_size=run.world_size,
                                   sub_group_size=int(config["zero_optimization"].get("sub_group_size", 10**9)))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    written = config["zero_optimization"].get("reduce_bucket_size", 500_000_000)
+    bucket = written if isinstance(written, int) else max(numels)  # "auto": Trainer fills it from the model
+    kept = stage1_kept(numels, world_size=run.world_size, bucket=bucket)
     terms = buffers_for(config, params=sum(p.numel() for p in model.parameters()), world_size=run.world_size,
-                        persistent_params=_persistent_params(model, threshold), sub_group=sub_group)
+                        persistent_params=_persistent_params(model, threshold), sub_group=sub_group,
+                        kept=sum(numels[i] for i in kept))
+    kept_ids = {id(trainable[i]) for i in kept} if terms.kept_grads else set()
     if terms.stage == 1:
         spec = _stage1_as_stage2(spec, config)
     if terms.stage < 3:
         # DeepSpeed moves each gradient into its reduce bucket as it is produced (a larger one is reduced
-        # from its own tensor), and the buckets are a term: the native run reduces its gradients in
-        # buckets of at most the largest parameter, so it holds no whole-model gradient buffer beside them
-        # (a bucket per parameter measured the same, and cost 0.5 s a candidate on a 7M model)
+        # from its own tensor), and the buckets are a term: the native run is cut in buckets of the same
+        # size, so it holds no whole-model gradient buffer beside them
         spec = spec.model_copy(update={"communication": spec.communication.model_copy(
-            update={"reduce_bucket": max(numels)})})
+            update={"reduce_bucket": bucket})})
     live = config["zero_optimization"].get("stage3_max_live_parameters", UNBOUNDED)
     if terms.stage == 3 and spec.communication.max_live_parameters is None and live < UNBOUNDED:
         # the bound the writer sized from the model holds the native run's prefetch back as it holds DeepSpeed's
@@ -295,11 +205,16 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
         engine = model.__dict__["_zerobridge_engine"]
         assert isinstance(engine, Engine)
         engine.stepper.skip_repeats = True  # fake tensors: a step that repeats another is left out
-        if terms.stage == 3:
-            # DeepSpeed reduces a bucket of at most reduce_bucket_size elements (a larger gradient alone)
-            # once the next gradient does not fit, and holds none in flight: the native run lands each
-            # unit's reduction as it issues it
-            engine.reductions.limit = 0
+        # DeepSpeed reduces a bucket of at most reduce_bucket_size elements (a larger gradient alone)
+        # once the next gradient does not fit, and holds none in flight beyond its buckets (a term): the
+        # native run lands each reduction as it issues it
+        engine.reductions.limit = 0
+        if terms.stage < 3:
+            # stages 1-2 reduce each bucket as it fills and make the gradient partition at its first
+            # gradient, not as backward opens
+            engine.reductions.arrival = True
+            for group in engine.groups:
+                group.defer_store = True
         optimizer = optimizer_for(model, run.optimizer)
         # stage 3's flat gradient partition: held until the first backward, where the native gradient
         # shard, kept from then on, starts to stand for it (counting both held the gradient twice)
@@ -315,6 +230,7 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
                 buckets.append(torch.empty(terms.reduce_buckets, dtype=torch.uint8))
 
         _first_gradient_hooks(model, first_gradient)
+        kept_grads = _kept_grad_hooks(engine, kept_ids, terms.dtype_bytes)
         generator = torch.Generator().manual_seed(0)
         for step in range(2):
             if step == 1:
@@ -330,24 +246,29 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
                 loss.backward()
                 del loss, tokens
                 buckets.clear()
+            kept_grads.clear()  # before DeepSpeed's step (measured: its step peaks as stage 2's)
             # the native step's own temporaries are not DeepSpeed's: it runs apart, and DeepSpeed's flat
             # working set is counted on what it leaves (the optimizer state, the first step's included)
             tracker.phase = NATIVE_STEP
-            optimizer.step()
+            if step == 0:  # it makes the optimizer state; a second one would change nothing counted
+                optimizer.step()
             tracker.phase = "step"
-            # stages 1-2 free their gradient partition with the step, where the native engine keeps the
-            # shard that stood for it: a 16-bit step casts the partition to fp32 and drops it before the
-            # optimizer runs, an fp32 step after
-            early = terms.stage < 3 and terms.fp32_grad_copy > 0
-            if early:
+            temporaries = terms.adam_temporaries * (run.optimizer == "adamw")
+            if terms.stage < 3:
+                # the flat copy (16-bit: and its fp32 cast) beside the partition, which the native shard
+                # stands for; then the partition is freed (the native engine would keep its shard), a
+                # 16-bit copy with it, and the optimizer runs on the fp32 gradient
+                flat = [torch.empty(terms.flat_copy, dtype=torch.uint8)]
+                cast = torch.empty(terms.fp32_grad_copy, dtype=torch.uint8)
                 _release_grads(engine, optimizer)
-            working = torch.empty(terms.fp32_grad_copy + terms.adam_temporaries * (run.optimizer == "adamw"),
-                                  dtype=torch.uint8)
-            del working
-            if terms.stage == 3:
+                if terms.fp32_grad_copy:
+                    flat.clear()
+                working = torch.empty(temporaries, dtype=torch.uint8)
+                del flat, cast, working
+            else:
+                working = torch.empty(terms.fp32_grad_copy + temporaries, dtype=torch.uint8)
+                del working
                 optimizer.zero_grad(set_to_none=True)
-            elif not early:
-                _release_grads(engine, optimizer)
         del held, grad_buffer
         memory = engine.memory()
         stats = engine.stats
