@@ -2,9 +2,9 @@
 largest wrap unit when the model is known (the reduce bucket to hidden_size^2, as Trainer fills it),
 ``"auto"`` where Trainer fills it, never DeepSpeed's 5e8 defaults; reported as memory, with the bytes;
 every JSON accepted by DeepSpeed; and, on real DeepSpeed, a JSON written from each Accelerate FSDP
-config of the corpus runs within ``WITHIN`` of the FSDP2 backend's peak on the same model (the issue
-asks 1.15x: 4 of the 8 configs are; what DeepSpeed itself holds beyond FSDP2 keeps the others above
-it: see ``test_written_json_runs_near_fsdp2``)."""
+config of the corpus runs within ``TRANSIENT`` of the FSDP2 backend on the same model in what the JSON
+decides, and beyond that holds only the state DeepSpeed keeps between steps (the issue asks 1.15x of the
+whole peak: 4 of the 8 configs are; see ``test_written_json_runs_near_fsdp2``)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ MODEL, WORLD, MICRO_BATCH, SEQ_LEN = "tiny-llama", 2, 2, 128
 """The model every written JSON is run on, and one rank's batch (the issue's cells: 2 x 128 tokens)."""
 WITHIN = 1.35
 """DeepSpeed's peak over FSDP2's, at most: measured 1.15x to 1.31x (docs/translators.md)."""
+TRANSIENT = 1.15
+"""DeepSpeed's peak above the state it keeps between steps, over FSDP2's, at most: what the written JSON
+decides (buckets, prefetch, the live-parameter bound, sub-groups); measured 0.93x to 0.95x."""
 BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 
 
@@ -271,20 +274,41 @@ def peaks() -> Iterator[tuple[dict[str, Any], list[Any], list[Any]]]:
     yield cases, ds, fsdp
 
 
+def _state_beyond_fsdp2(config: dict[str, Any], params: int) -> int:
+    """Bytes per rank DeepSpeed's stage 3 keeps between steps beyond what FSDP2 keeps (both hold the fp32
+    master partition and the Adam moments): its parameter partition in the run's dtype (in fp32 a second fp32
+    copy: ``stage3.py`` compares a tensor's ``torch.device`` with the accelerator's device *name*, a str, so
+    the branch that would let fp32 parameters serve as their own master never runs), its flat gradient
+    partition in the accumulation dtype, and its flat reduce bucket. FSDP2 frees its gradients every step."""
+    zero = config["zero_optimization"]
+    size = 2 if config["bf16"]["enabled"] else 4
+    accumulate = 2 if config.get("data_types", {}).get("grad_accum_dtype") == "bf16" else 4
+    part = -(-params // WORLD)
+    return size * part + accumulate * part + size * zero["reduce_bucket_size"]
+
+
 @pytest.mark.corpus
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_written_json_runs_near_fsdp2(peaks: Any) -> None:
-    """Measured on CPU (gloo, world 2, 2 x 128 tokens, tiny Llama, ZeRO-3): 1.15x FSDP2's peak for four of
-    the eight config groups, 1.18x (accelerate's cp), 1.23x (accelerate's latest_fsdp), 1.31x (LLaMA-Factory's
-    fsdp_config, and its fsdp_config_offload with trl's fsdp_qlora); with the reduce bucket at the largest
-    unit (before hidden_size^2) 1.21x to 1.38x, and the JSON written before that (DeepSpeed's 5e8 defaults)
-    17.8x (bench/deepspeed_buckets.py). What is left is
-    DeepSpeed's own state, not its buffers: between steps it keeps a 16-bit parameter partition and a
-    gradient partition beside the fp32 master and Adam moments (16P/N bytes in bf16, and 20P/N in fp32:
-    stage3.py compares a tensor's torch.device with the accelerator's device *name*, a str, so the
-    branch that would let fp32 parameters serve as their own master never runs), where FSDP2 keeps
-    12P/N: its fp32 shard is the master and its gradients are freed each step."""
+    """Measured on CPU (gloo, world 2, 2 x 128 tokens, tiny Llama, ZeRO-3; docs/translators.md), per config group:
+
+    - what the written JSON decides, DeepSpeed's peak above the state it keeps between steps (its buckets,
+      prefetch, gathered parameters, sub-group step): 0.93x to 0.95x of FSDP2's (the issue's 1.15x); with
+      DeepSpeed's 5e8 defaults it was gigabytes (bench/deepspeed_buckets.py: 17.8x the whole peak);
+    - what no JSON key removes, the state it keeps beyond FSDP2's (``_state_beyond_fsdp2``): 9.7 MiB in bf16,
+      19.3 MiB in fp32, to the formula; with the optimizer and parameters offloaded, 19.2 MiB (a host copy
+      on a GPU machine; on this CPU host and device are one memory, and counted alike);
+    - the whole peak: 1.145x FSDP2's for four of the eight groups, 1.18x (accelerate's cp), 1.23x
+      (latest_fsdp, fp32), 1.31x (LLaMA-Factory's fsdp_config and fsdp_config_offload with trl's
+      fsdp_qlora, offloaded). The state's share shrinks as activations grow."""
     cases, ds, fsdp = peaks
-    ratios = {name: max(d[name]["train"] for d in ds) / max(f[name]["train"] for f in fsdp) for name in cases}
-    assert all(1.0 <= r <= WITHIN for r in ratios.values()), ratios
+    params = sum(p.numel() for p in resolve_model(MODEL).build().parameters())
+    for name, (_, config) in cases.items():
+        mine = {key: max(rank[name][key] for rank in ds) for key in ("train", "rest")}
+        theirs = {key: max(rank[name][key] for rank in fsdp) for key in ("train", "rest")}
+        assert mine["train"] - mine["rest"] <= TRANSIENT * (theirs["train"] - theirs["rest"]), (name, mine, theirs)
+        if "offload_optimizer" not in config["zero_optimization"]:
+            extra = _state_beyond_fsdp2(config, params)
+            assert abs(mine["rest"] - theirs["rest"] - extra) <= 0.02 * extra, (name, mine, theirs, extra)
+        assert 1.0 <= mine["train"] / theirs["train"] <= WITHIN, (name, mine, theirs)

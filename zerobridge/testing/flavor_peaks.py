@@ -19,7 +19,8 @@ one tensor at a time unless told otherwise) on the plan's data (random tokens,
 labels = inputs) for two steps: the first creates the optimizer state, the
 second is the steady state.
 ``train`` is the highest of the forward, backward and step peaks; ``setup``
-(building and wrapping the model) is returned apart. One launch pays
+(building and wrapping the model) is returned apart, and ``rest``: the bytes
+held once the second step is over (the state each flavor keeps between steps). One launch pays
 DeepSpeed's import and op check once for all its configs.
 """
 
@@ -101,10 +102,11 @@ def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_bat
                 tracker.phase = "step"
                 engine.step()
                 tracker.phase = "setup"
+            rest = tracker.live
             engine.destroy()
             del engine, built
             gc.collect()
-        out[name] = _measured(tracker)
+        out[name] = _measured(tracker) | {"rest": rest}
     return out
 
 
@@ -136,7 +138,8 @@ def fsdp_peaks(*, model: str, specs: dict[str, dict[str, Any]], micro_batch: int
                 stepped.step()
                 stepped.zero_grad(set_to_none=True)
                 tracker.phase = "setup"
+            rest = tracker.live
             del prepared, stepped, built
             gc.collect()
-        out[name] = _measured(tracker)
+        out[name] = _measured(tracker) | {"rest": rest}
     return out
