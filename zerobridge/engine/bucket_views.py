@@ -32,7 +32,9 @@ the gradients are made.
 
 Cut again right before the first module that uses it (``ReplicatedViews``), the split
 node is younger than every op before that module and runs as soon as backward
-has passed it. The root's pre-forward still cuts every bucket, so a parameter
+has passed it (a group of one bucket is not cut again: its one gradient is
+ready only when backward has passed all its modules, wherever it is cut). The
+root's pre-forward still cuts every bucket, so a parameter
 read outside its module's forward sees a full-shape view; a view it took is
 still part of the graph, and its gradient reaches the same leaf.
 
@@ -72,7 +74,8 @@ class ReplicatedViews:
         self.shown: set[tuple[int, int]] = set()
         self.points: dict[int, list[tuple[FlatGroup, int]]] = {}
         modules: dict[int, nn.Module] = {}
-        for group in (g for g in groups if g.plan.trainable):
+        # one bucket fires once its last gradient is made, wherever it is cut: it stays cut at the root
+        for group in (g for g in groups if g.plan.trainable and len(g.layout.buckets) > 1):
             owner = owners(units[0], list(units), group.refs) if compile.enabled else []
             for b, bucket in enumerate(group.layout.buckets):
                 for i in bucket.params:
