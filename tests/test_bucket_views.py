@@ -108,3 +108,30 @@ def test_the_cut_waits_on_modules_or_under_compile_on_units(solo_group: None, co
     # off: the modules that hold the parameters; on: the parameters' units (the root's first Linear keeps the
     # root's cut), whose hooks run outside the compiled forwards
     assert hooked == (inner if compiled else linears)
+
+
+class _Probe(nn.Module):
+    """Runs its first layer once without gradients (a probe, a teacher pass), then trains through both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            probe = self.first(x)
+        return self.second(self.first(x) + probe)
+
+
+def test_a_bucket_first_used_without_gradients_still_gets_them(solo_group: None) -> None:
+    """Cut at a use under no_grad, a bucket's views would carry no gradient to the use after it."""
+    import zerobridge
+
+    reference = _Probe()
+    reference(torch.ones(2, 8)).sum().backward()
+    model = zerobridge.prepare(_Probe(), config=StrategySpec(communication=CommunicationSpec(reduce_bucket=72)))
+    model(torch.ones(2, 8)).sum().backward()
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert mine.grad is not None, name
+        torch.testing.assert_close(mine.grad, theirs.grad)

@@ -104,7 +104,9 @@ class ReplicatedViews:
 
     def _hook(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not self.active:
+            # views cut without gradients would carry none: a bucket first used under no_grad is cut at
+            # its next use that records them (or keeps the root's cut)
+            if not self.active or not torch.is_grad_enabled():
                 return
             for group, b in self.points[key]:
                 if (id(group), b) not in self.shown:
