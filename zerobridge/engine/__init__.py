@@ -2,8 +2,9 @@
 
 Layers, each calling only the one below: ``engine`` (module hooks, the
 accumulation window, the step) -> ``schedule`` (which unit is gathered
-when) and ``reducing`` (buckets in flight) -> ``flat_group`` (one unit's
-tensors) -> ``collectives`` (free functions over explicit groups), with
+when), ``reducing`` (buckets in flight) and ``bucket_views`` (the views a
+group's buckets show its modules, and when a replicated bucket's are cut)
+-> ``flat_group`` (one unit's tensors) -> ``collectives`` (free functions over explicit groups), with
 ``streams`` (CUDA side streams; no-ops on the CPU). ``plan`` resolves a spec
 for the engine on top of the shared run rules (``zerobridge.runtime``),
 ``mesh`` builds the groups, ``layout`` is pure arithmetic over shards.

@@ -1,6 +1,6 @@
-"""Where the replicated groups' bucket views are cut: again right before the first module that
-uses each bucket in a forward pass, so each bucket's gradient is ready as soon as backward has
-passed that module.
+"""The module views of a flat group's buckets (``show`` before a unit's forward, ``hide`` after), and
+where the replicated groups' are cut: again right before the first module that uses each bucket in a
+forward pass, so each bucket's gradient is ready as soon as backward has passed that module.
 
     >>> import torch, zerobridge
     >>> from zerobridge.spec import CommunicationSpec, StrategySpec
@@ -18,7 +18,7 @@ passed that module.
     [0, 'input', 1]
 
 [Note: why the moment a view is cut matters]
-A bucket's views are cut from its leaf by one split node (``FlatGroup.install_bucket``),
+A bucket's views are cut from its leaf by one split node (``show_bucket``),
 and the bucket's gradient hook fires when that node has run. Among the nodes ready at
 once, torch's autograd engine runs the one created last first (``sequence_nr``).
 Cut in the root's pre-forward, before any forward op, every split node is older
@@ -47,7 +47,7 @@ its forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,39 @@ from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.runtime.wrap_units import owners
 from zerobridge.spec import CompileSpec
 
-__all__ = ["ReplicatedViews"]
+__all__ = ["ReplicatedViews", "hide", "show", "show_bucket"]
+
+
+def show(group: FlatGroup, mark_used: bool) -> None:
+    """Point every module slot of ``group`` at a full-shape view of its gathered leaves."""
+    for b in range(len(group.layout.buckets)):
+        show_bucket(group, b, mark_used)
+
+
+def show_bucket(group: FlatGroup, b: int, mark_used: bool) -> None:
+    """Point the slots of bucket ``b``'s parameters at fresh views of its leaf, cut by one split node;
+    ``mark_used``: each view notes in ``group.used`` that its parameter got a gradient."""
+    bucket = group.layout.buckets[b]
+    pieces = group.leaves[b].split(group.layout.split_sizes(bucket))
+    for k, i in enumerate(bucket.params):
+        view = pieces[k].view(group.refs[i].shape)
+        if mark_used and view.requires_grad:
+            view.register_hook(_marks_used(group, i))
+        for module, attr in group.refs[i].slots:
+            module._parameters[attr] = view
+
+
+def _marks_used(group: FlatGroup, i: int) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        group.used[i] = True
+    return hook
+
+
+def hide(group: FlatGroup) -> None:
+    """Put ``group``'s sharded parameters back on the modules."""
+    for ref, param in zip(group.refs, group.params):
+        for module, attr in ref.slots:
+            module._parameters[attr] = param
 
 
 class ReplicatedViews:
@@ -91,7 +123,7 @@ class ReplicatedViews:
         """A forward pass begins: show every view; ``mark_used``: it records gradients (the views note
         their use, and each bucket is cut again at its first use)."""
         for group in self.groups:
-            group.install(mark_used=mark_used)
+            show(group, mark_used)
         self.active, self.mark_used = mark_used, mark_used
         self.shown.clear()
 
@@ -100,7 +132,7 @@ class ReplicatedViews:
         again, ``Engine._pre_backward``, and they are not cut again)."""
         self.active = False
         for group in self.groups:
-            group.restore()
+            hide(group)
 
     def _hook(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -111,5 +143,5 @@ class ReplicatedViews:
             for group, b in self.points[key]:
                 if (id(group), b) not in self.shown:
                     self.shown.add((id(group), b))
-                    group.install_bucket(b, self.mark_used)
+                    show_bucket(group, b, self.mark_used)
         return hook

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from zerobridge.engine import collectives
-from zerobridge.engine.bucket_views import ReplicatedViews
+from zerobridge.engine.bucket_views import ReplicatedViews, hide, show
 from zerobridge.engine.flat_group import FlatGroup
 from zerobridge.engine.grad_store import attach_grads
 from zerobridge.engine.grouping import build_groups
@@ -139,7 +139,7 @@ class Engine:
         """Gradient hooks on every trainable bucket, forward hooks on every unit, and activation
         checkpointing where the spec asks."""
         for group in self.groups:
-            group.restore()
+            hide(group)
             for b, leaf in enumerate(group.leaves):
                 if group.plan.trainable:
                     leaf.register_post_accumulate_grad_hook(self._bucket_hook(group, b))
@@ -180,7 +180,7 @@ class Engine:
             self._prefetch(unit, self.previous, backward=False)
         self.residency.wait(unit)
         for group in unit.groups:
-            group.install(mark_used=grad and not self.window.in_backward)
+            show(group, mark_used=grad and not self.window.in_backward)
         if grad and first and unit.frozen and self.plan.sharding.sharded_at_rest:
             # On the first call only: its inputs' gradients come last when a unit runs twice.
             args, kwargs = after_inputs_backward((args, kwargs), self._post_backward_hook(unit))
@@ -191,7 +191,7 @@ class Engine:
             return output
         grad = torch.is_grad_enabled()
         for group in unit.groups:
-            group.restore()
+            hide(group)
         if not grad or (self.plan.sharding is ParamSharding.RESHARD_AFTER_FORWARD and not self._reused(unit)):
             self.residency.free(unit, unit.groups, keep_secondary=grad)
         if unit.index == 0:
@@ -286,13 +286,13 @@ class Engine:
         with torch.enable_grad():  # views for recomputation must match the original forward
             if unit.index == 0:
                 for group in self.replicated:
-                    group.install(mark_used=False)
+                    show(group, mark_used=False)
             self.residency.gather(unit, backward=True)
             if self.plan.backward_prefetch is BackwardPrefetch.BEFORE_GRAD:
                 self._prefetch(unit, self.backward_order, backward=True)
             self.residency.wait(unit)
             for group in unit.groups:
-                group.install(mark_used=False)
+                show(group, mark_used=False)
 
     def _bucket_hook(self, group: FlatGroup, b: int) -> Any:
         # Weak references: torch's garbage collector does not look inside a tensor's
@@ -345,7 +345,7 @@ class Engine:
         if unit.inputs_done and unit.fired == unit.trainable_buckets:
             groups = groups + unit.frozen
         for group in groups:
-            group.restore()
+            hide(group)
         self.residency.free(unit, groups, keep_secondary=False)
         if self.plan.backward_prefetch is BackwardPrefetch.AFTER_GRAD:
             self._prefetch(unit, self.backward_order, backward=True)
@@ -356,13 +356,13 @@ class Engine:
         self.reductions.land_all()
         for unit in self.units:
             for group in unit.groups:
-                group.restore()
+                hide(group)
             self.residency.free(unit, unit.groups, keep_secondary=False)
             unit.backward_ready = False
             unit.fired = 0
             unit.inputs_done = False
         for group in self.replicated:
-            group.restore()
+            hide(group)
         if self.window.end():
             self._close_window()
 

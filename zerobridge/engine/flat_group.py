@@ -32,7 +32,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -294,36 +294,6 @@ class FlatGroup:
     def gathered_numel(self) -> int:
         """Elements of ``full`` resident now beyond the shard."""
         return self.layout.numel if self.state is not GatherState.SHARDED and self.full is not self.shard else 0
-
-    # ------------------------------------------------------------------ module views
-
-    def install(self, mark_used: bool) -> None:
-        """Point every module slot at a full-shape view of the gathered leaf."""
-        for b in range(len(self.layout.buckets)):
-            self.install_bucket(b, mark_used)
-
-    def install_bucket(self, b: int, mark_used: bool) -> None:
-        """Point the slots of bucket ``b``'s parameters at fresh views of its leaf (one split node;
-        ``bucket_views.py`` says why the moment it is cut matters)."""
-        bucket = self.layout.buckets[b]
-        pieces = self.leaves[b].split(self.layout.split_sizes(bucket))
-        for k, i in enumerate(bucket.params):
-            view = pieces[k].view(self.refs[i].shape)
-            if mark_used and view.requires_grad:
-                view.register_hook(self._used_hook(i))
-            for module, attr in self.refs[i].slots:
-                module._parameters[attr] = view
-
-    def _used_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self.used[i] = True
-        return hook
-
-    def restore(self) -> None:
-        """Put the sharded parameters back on the modules."""
-        for ref, param in zip(self.refs, self.params):
-            for module, attr in ref.slots:
-                module._parameters[attr] = param
 
     # ------------------------------------------------------------------ gradients
 
