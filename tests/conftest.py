@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,20 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     over = [nodeid for nodeid, spent in _SPENT.items() if spent > TEST_BUDGET_S]
     if over:
         write(f"over the {TEST_BUDGET_S:.0f} s budget per test: {', '.join(sorted(over))}", yellow=True)
+
+
+# ----------------------------------------------------------------------------- one-rank groups started here
+
+
+@pytest.fixture
+def solo_group() -> Iterator[None]:
+    """A test that prepares in this process starts a one-rank group: end it after the test (a module whose
+    every test does so marks itself ``pytest.mark.usefixtures("solo_group")``)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- no process group leaks out of a module

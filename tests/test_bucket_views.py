@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerobridge.engine import collectives
@@ -30,13 +29,6 @@ LAYERS = 4
 def cluster() -> Iterator[Cluster]:
     with Cluster(2) as made:
         yield made
-
-
-@pytest.fixture
-def solo_group() -> Iterator[None]:
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _stack() -> nn.Sequential:

@@ -23,6 +23,8 @@ from zerobridge.runtime.deferred_init import Replay, is_meta_model, plan_ops
 from zerobridge.spec import OffloadSpec, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
 from zerobridge.testing.deferred import eager_state, meta_state
 
+pytestmark = pytest.mark.usefixtures("solo_group")
+
 META = "zerobridge.testing.deferred:meta_state"
 NATIVE = "zerobridge.testing.parity:run_native"
 
@@ -32,14 +34,6 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     for name, value in want.items():
         assert got[name].dtype == value.dtype, name
         assert torch.equal(got[name], value), f"{name}: max diff {(got[name].float() - value.float()).abs().max()}"
-
-
-@pytest.fixture(autouse=True)
-def solo_group() -> Iterator[None]:
-    """Tests here that prepare in this process start a one-rank group: end it after each."""
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- unit: the replay

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import doctest
 import importlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 import zerobridge
 
@@ -32,13 +30,6 @@ def _with_examples() -> list[str]:
 
 
 MODULES = _with_examples()
-
-
-@pytest.fixture
-def solo_group() -> Iterator[None]:
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_the_walk_finds_every_layer() -> None:

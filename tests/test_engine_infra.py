@@ -29,13 +29,6 @@ def clusters() -> Iterator[dict[int, Cluster]]:
         yield made
 
 
-@pytest.fixture
-def solo_group() -> Iterator[None]:
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------- torch floor
 
 

@@ -453,13 +453,6 @@ def test_missing_or_unwritable_path_is_a_config_error(tmp_path: Path, tier: str)
             check_runnable(spec, world_size=2)
 
 
-@pytest.fixture
-def solo_group() -> Iterator[None]:
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_prepare_refuses_a_missing_or_unwritable_path(tmp_path: Path, solo_group: None) -> None:
     import zerobridge
 

@@ -28,6 +28,8 @@ from zerobridge.pretrained.load import match_names
 from zerobridge.spec import PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
 from zerobridge.testing.deferred import BUILDERS, eager_state
 
+pytestmark = pytest.mark.usefixtures("solo_group")
+
 LOAD = "zerobridge.testing.deferred:load_state"
 
 
@@ -35,14 +37,6 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     assert set(got) == set(want)
     for name, value in want.items():
         assert torch.equal(got[name], value), name
-
-
-@pytest.fixture(autouse=True)
-def solo_group() -> Iterator[None]:
-    """Tests here that prepare in this process start a one-rank group: end it after each."""
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- unit: files and names

@@ -10,7 +10,6 @@ tests/test_engine_comm.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,12 +19,7 @@ from torch import nn
 import zerobridge
 from zerobridge.spec import DynamicLossScale, PrecisionSpec, ShardingSpec, StrategySpec, TransformerWrap
 
-
-@pytest.fixture(autouse=True)
-def solo_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("solo_group")
 
 
 class Block(nn.Module):

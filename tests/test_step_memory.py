@@ -34,7 +34,6 @@ contract. With fp32 gradients the explicit call copies nothing (the same figures
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -191,13 +190,6 @@ if __name__ == "__main__":  # every cell's ratio: python tests/test_step_memory.
         for precision in PRECISIONS:
             print(f"clipping {clipping:8} {precision:13} {'foreach' if foreach else 'single'}", "  ".join(
                 f"z{stage} {_ratio(stage, precision, clipping, foreach):.4f}" for stage in STAGES), flush=True)
-
-
-@pytest.fixture
-def solo_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _train_in_ranges(optimizer_class: type[torch.optim.Optimizer], precision: str, split: bool,
