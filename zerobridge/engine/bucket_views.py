@@ -102,29 +102,28 @@ class ReplicatedViews:
         self.groups = list(groups)
         self.active = False
         """A forward pass that records gradients is running (outside a backward recomputation)."""
-        self.mark_used = False
         self.shown: set[tuple[int, int]] = set()
         self.points: dict[int, list[tuple[FlatGroup, int]]] = {}
-        modules: dict[int, nn.Module] = {}
+        """Per hooked module (by id), the buckets cut at it."""
         # one bucket fires once its last gradient is made, wherever it is cut: it stays cut at the root
         for group in (g for g in groups if g.plan.trainable and len(g.layout.buckets) > 1):
             owner = owners(units[0], list(units), group.refs) if compile.enabled else []
             for b, bucket in enumerate(group.layout.buckets):
                 for i in bucket.params:
                     at = [units[owner[i]]] if compile.enabled else [module for module, _ in group.refs[i].slots]
-                    for module in at:
-                        if module is not units[0] and (group, b) not in self.points.get(id(module), []):
-                            modules[id(module)] = module
-                            self.points.setdefault(id(module), []).append((group, b))
-        for key, module in modules.items():
-            module.register_forward_pre_hook(torch.compiler.disable(self._hook(key)))
+                    for module in (m for m in at if m is not units[0]):
+                        if id(module) not in self.points:
+                            self.points[id(module)] = []
+                            module.register_forward_pre_hook(torch.compiler.disable(self._hook(id(module))))
+                        if (group, b) not in self.points[id(module)]:
+                            self.points[id(module)].append((group, b))
 
     def begin(self, mark_used: bool) -> None:
         """A forward pass begins: show every view; ``mark_used``: it records gradients (the views note
         their use, and each bucket is cut again at its first use)."""
         for group in self.groups:
             show(group, mark_used)
-        self.active, self.mark_used = mark_used, mark_used
+        self.active = mark_used
         self.shown.clear()
 
     def end(self) -> None:
@@ -143,5 +142,5 @@ class ReplicatedViews:
             for group, b in self.points[key]:
                 if (id(group), b) not in self.shown:
                     self.shown.add((id(group), b))
-                    show_bucket(group, b, self.mark_used)
+                    show_bucket(group, b, mark_used=True)  # only a pass that records gradients cuts again
         return hook

@@ -175,12 +175,11 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
     model = source.build(layers)
     config = deepspeed_config(spec, model, run.world_size)
     threshold = int(config["zero_optimization"].get("stage3_param_persistence_threshold", 0))
-    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    numels = [p.numel() for p in trainable]
     sub_group = largest_sub_group(numels, world_size=run.world_size,
                                   sub_group_size=int(config["zero_optimization"].get("sub_group_size", 10**9)))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    written = config["zero_optimization"].get("reduce_bucket_size", 500_000_000)
-    bucket = written if isinstance(written, int) else max(numels)  # "auto": Trainer fills it from the model
+    bucket = int(config["zero_optimization"].get("reduce_bucket_size", 500_000_000))  # as buffers_for reads it
     kept = stage1_kept(numels, world_size=run.world_size, bucket=bucket)
     terms = buffers_for(config, params=sum(p.numel() for p in model.parameters()), world_size=run.world_size,
                         persistent_params=_persistent_params(model, threshold), sub_group=sub_group,

@@ -98,6 +98,7 @@ Each term, and when DeepSpeed holds it (DeepSpeed 0.19.8, ``stage_1_and_2.py`` a
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -162,7 +163,7 @@ def stage1_kept(numels: list[int], *, world_size: int, bucket: int) -> list[int]
     Rank 0 keeps the last parameter's 10 elements, rank 1 the first's 8 (the 2 go through the bucket;
     the third reaches into both parts)."""
     part = -(-sum(numels) // world_size)
-    starts = [sum(numels[:i]) for i in range(len(numels))]
+    starts = [0, *accumulate(numels)][:-1]
     best: list[int] = []
     for rank in range(world_size):
         low, high = rank * part, (rank + 1) * part

@@ -58,9 +58,10 @@ def _tokens(source: ModelSource, micro_batch: int, seq_len: int, step: int) -> t
     return torch.randint(0, max(source.vocab_size, 2), (micro_batch, seq_len), generator=generator)
 
 
-def _measured(tracker: StorageTracker) -> dict[str, int]:
+def _measured(tracker: StorageTracker, rest: int) -> dict[str, int]:
+    """The peak of each phase, ``train`` (the highest of the training phases) and ``rest``."""
     peaks = dict(tracker.peaks)
-    return {**peaks, "train": max(peaks.get(p, 0) for p in TRAINING)}
+    return {**peaks, "train": max(peaks.get(p, 0) for p in TRAINING), "rest": rest}
 
 
 def _build(source: ModelSource, recompute: bool) -> nn.Module:
@@ -106,7 +107,7 @@ def deepspeed_peaks(*, model: str, configs: dict[str, dict[str, Any]], micro_bat
             engine.destroy()
             del engine, built
             gc.collect()
-        out[name] = _measured(tracker) | {"rest": rest}
+        out[name] = _measured(tracker, rest)
     return out
 
 
@@ -141,5 +142,5 @@ def fsdp_peaks(*, model: str, specs: dict[str, dict[str, Any]], micro_batch: int
             rest = tracker.live
             del prepared, stepped, built
             gc.collect()
-        out[name] = _measured(tracker) | {"rest": rest}
+        out[name] = _measured(tracker, rest)
     return out
