@@ -34,8 +34,8 @@ importer's start-up, with the reason on its line.
                  same file names, the ``Backend`` interface, preflight checks
  8  api          the public calls; ``prepare`` dispatches to a backend
  9  tools        ``launch`` (``zerobridge run``), ``harness/`` (spawned process groups),
-                 ``compare/``, ``docgen``, ``deepspeed/`` (DeepSpeed's entry points over the api),
-                 ``plan/`` (which strategy fits, measured on fake tensors)
+                 ``compare/``, ``docgen`` (and its ``docgen_sections``), ``deepspeed/`` (DeepSpeed's
+                 entry points over the api), ``plan/`` (which strategy fits, measured on fake tensors)
 10  entry        ``cli``, ``demo``, ``testing/`` (test and bench workers), this facade
 
 docs/architecture.md has a paragraph per layer and where a new backend or
@@ -61,8 +61,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("zerobridge.engine", "zerobridge.checkpoint", "zerobridge.pretrained"),
     ("zerobridge.backends",),
     ("zerobridge.api",),
-    ("zerobridge.launch", "zerobridge.harness", "zerobridge.compare", "zerobridge.docgen", "zerobridge.deepspeed",
-     "zerobridge.planning"),
+    ("zerobridge.launch", "zerobridge.harness", "zerobridge.compare", "zerobridge.docgen", "zerobridge.docgen_sections",
+     "zerobridge.deepspeed", "zerobridge.planning"),
     ("zerobridge.cli", "zerobridge.demo", "zerobridge.testing", "zerobridge"),
 )
 """The layers, bottom first (the note above); ``zerobridge`` alone names this module, not the package."""
