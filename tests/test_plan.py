@@ -151,6 +151,51 @@ def test_a_fake_run_leaves_out_repeated_optimizer_calls_and_its_figures_stay(
     assert skipped_calls < every_calls / 2
 
 
+@pytest.mark.parametrize("flavor", ["native", "fsdp2"])
+def test_the_counting_fake_mode_counts_what_a_tracker_stacked_above_it_counts(
+        flavor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CountingFakeMode`` counts inside the fake mode what a ``StorageTracker`` stacked above a
+    ``FakeTensorMode`` counts (the way real runs are counted: one mode above every operation). FSDP2's
+    DTensor operations are counted as the DTensor, never the local operations inside them: counted there,
+    FSDP2's step peaks tripled. Its mesh table is made outside the fake mode and adopted after setup."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    import zerobridge.planning.fsdp_fake_run as fsdp_fake_run
+    from zerobridge.planning import fake_run
+    from zerobridge.planning.flavors import measure_flavor
+    from zerobridge.planning.tracker import StorageTracker
+
+    class Stacked(StorageTracker):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.prim.device.default and isinstance(args[0], FakeTensor):
+                return args[0].fake_device
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    @contextmanager
+    def stacked() -> Iterator[StorageTracker]:
+        with FakeTensorMode(allow_non_fake_inputs=True), Stacked() as tracker:
+            yield tracker
+
+    source = resolve_model("tiny-llama")
+    run = Run(world_size=2, nodes=1, micro_batch=2, seq_len=64)
+    spec = StrategySpec.model_validate(spec_for_stage(3, source.build(1)).model_dump()
+                                       | {"precision": {"param_dtype": "bf16"}})
+    counted = measure_flavor(source, spec, run, True, flavor).measured
+    for module in (fake_run, fsdp_fake_run):
+        monkeypatch.setattr(module, "fake_tracking", stacked)
+    above = measure_flavor(source, spec, run, True, flavor).measured
+    assert counted is not None and above is not None
+    assert {k: v for k, v in counted.peaks.items() if k != "setup"} == \
+           {k: v for k, v in above.peaks.items() if k != "setup"}
+    assert counted.tiers == above.tiers and counted.comm_bytes == above.comm_bytes
+    if flavor == "native":
+        assert counted.peaks["setup"] == above.peaks["setup"]
+
+
 # ----------------------------------------------------------------- real configs
 
 

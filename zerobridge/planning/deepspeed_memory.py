@@ -57,13 +57,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerobridge.backends.native.prepare import prepare
 from zerobridge.engine import Engine
 from zerobridge.errors import ConfigError
 from zerobridge.planning.deepspeed_terms import DeepSpeedBuffers, buffers_for, largest_sub_group, stage1_kept
-from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world, optimizer_for
+from zerobridge.planning.fake_run import Measured, Run, fake_tracking, fake_world, optimizer_for
 from zerobridge.planning.models import ModelSource
 from zerobridge.runtime.deferred_init import ShapeReplay
 from zerobridge.runtime.wrap_units import bucket_sizes
@@ -198,8 +197,7 @@ def run_deepspeed(source: ModelSource, spec: StrategySpec, run: Run, *, layers: 
         # the bound the writer sized from the model holds the native run's prefetch back as it holds DeepSpeed's
         spec = spec.model_copy(update={"communication": spec.communication.model_copy(
             update={"max_live_parameters": live})})
-    with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            FakeRunTracker() as tracker:
+    with fake_world(run.world_size, run.ranks_per_node), fake_tracking() as tracker:
         prepare(model, None, spec, allow_approximate=False, replay=ShapeReplay(model), device=torch.device("cpu"))
         engine = model.__dict__["_zerobridge_engine"]
         assert isinstance(engine, Engine)

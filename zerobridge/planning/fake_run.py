@@ -28,6 +28,7 @@ a long run repeats, and its collectives are the ones reported.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,8 +47,8 @@ from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import Replay, ShapeReplay
 from zerobridge.spec import StrategySpec
 
-__all__ = ["FakeRunTracker", "Measured", "Run", "fake_world", "optimizer_for", "run_once", "run_real",
-           "train_two_steps"]
+__all__ = ["CountingFakeMode", "Measured", "Run", "fake_tracking", "fake_world", "optimizer_for", "run_once",
+           "run_real", "train_two_steps"]
 
 
 @dataclass(frozen=True)
@@ -108,20 +109,69 @@ def fake_world(world_size: int, ranks_per_node: int) -> Iterator[None]:
             os.environ["LOCAL_WORLD_SIZE"] = saved
 
 
-class FakeRunTracker(StorageTracker):
-    """``StorageTracker`` answering fake tensors' device queries itself, as ``FakeTensor`` would.
+class CountingFakeMode(FakeTensorMode):
+    """``FakeTensorMode`` that counts what every operation returns in a ``StorageTracker``.
 
-    Autograd asks every gradient's device, and a fake tensor answers in Python (``prim.device``):
-    about 700 of a fake step's 1,100 dispatched ops per block. Answered here, each skips the fake
-    mode's dispatch below (a fifth of a planning run's time); the answer is the same."""
+    A ``StorageTracker`` stacked above the fake mode as a mode of its own (how real runs are counted)
+    makes every operation cross from C++ into Python twice; counted here, once. The figures are the
+    same (``tests/test_plan.py``): only the outermost call is counted, as the fake mode's own
+    decompositions run below a mode stacked above it; an operation on a tensor subclass with its own
+    dispatch (FSDP2's DTensor) is run as a mode above would run it, its outputs counted and the
+    operations on the fake tensors inside it not. Autograd asks every gradient's device (``prim.device``:
+    about 700 of a fake step's 1,100 dispatched operations per block); it is answered here as
+    ``FakeTensor`` would, without the fake mode's dispatch.
+
+    >>> import torch
+    >>> from zerobridge.planning.fake_run import fake_tracking
+    >>> with fake_tracking() as tracker:
+    ...     a = torch.empty(1024)                   # a fake 4 KiB
+    ...     b = a.view(32, 32) * 2                  # a view shares it; the product is 4 KiB more
+    >>> tracker.peak, isinstance(b, torch._subclasses.fake_tensor.FakeTensor)
+    (8192, True)
+    """
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.tracker = tracker
+        """Where the bytes are counted."""
+        self._inside = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
+        if func is _DEVICE and isinstance(args[0], FakeTensor) and not self.in_kernel_invocation:
             return args[0].fake_device
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if self._inside:
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
+        self._inside = True
+        try:
+            if any(map(_handles_itself, types)):
+                # a wrapper subclass (FSDP2's DTensor) runs the operation on the fake tensors it wraps,
+                # which come back here uncounted: its outputs are counted, as a mode above it counts them
+                out = func(*args, **(kwargs or {}))
+            else:
+                out = super().__torch_dispatch__(func, types, args, kwargs or {})
+        finally:
+            self._inside = False
+        self.tracker.count(out)
+        return out
 
 
 _DEVICE = torch.ops.prim.device.default
+
+
+@functools.cache
+def _handles_itself(kind: type) -> bool:
+    """A tensor subclass with its own dispatch, which the fake mode leaves to it (not a fake tensor,
+    not a plain ``nn.Parameter``)."""
+    own = getattr(kind, "__torch_dispatch__", None)
+    return not issubclass(kind, FakeTensor) and own is not torch.Tensor.__torch_dispatch__
+
+
+@contextmanager
+def fake_tracking() -> Iterator[StorageTracker]:
+    """Fake tensors for the block, every storage they stand for counted in the tracker yielded."""
+    tracker = StorageTracker()
+    with tracker.resizes(), CountingFakeMode(tracker):
+        yield tracker
 
 
 def optimizer_for(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
@@ -186,8 +236,7 @@ def run_once(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
     optimizer calls that repeat another's memory are left out (the figures are the same, measured in
     ``tests/test_plan.py``)."""
     model = source.build(layers)
-    with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            FakeRunTracker() as tracker:
+    with fake_world(run.world_size, run.ranks_per_node), fake_tracking() as tracker:
         return _two_steps(source, model, spec, run, ShapeReplay(model), tracker, skip_repeats=skip_repeats)
 
 

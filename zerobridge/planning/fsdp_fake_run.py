@@ -13,7 +13,7 @@
     'sharding'
 
 The same fake world as the native engine's planning run (``fake_run``: rank 0
-of a fake process group, ``FakeTensorMode``, a ``FakeRunTracker``), but the
+of a fake process group, fake tensors counted by ``fake_tracking``), but the
 model is prepared by zerobridge's FSDP2 backend (``backends/fsdp``: torch's
 ``fully_shard`` on each wrap unit, its ``MixedPrecisionPolicy`` and
 ``CPUOffloadPolicy``, the backend's accumulation and clipping rules), so the
@@ -37,12 +37,13 @@ import json
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zerobridge.backends.base import backend_of
+from zerobridge.backends.fsdp.backend import FsdpBackend
 from zerobridge.backends.fsdp.prepare import judged, prepare
 from zerobridge.errors import ConfigError
-from zerobridge.planning.fake_run import FakeRunTracker, Measured, Run, fake_world, optimizer_for, train_two_steps
+from zerobridge.planning.fake_run import Measured, Run, fake_tracking, fake_world, optimizer_for, train_two_steps
 from zerobridge.planning.models import ModelSource
 from zerobridge.runtime.deferred_init import ShapeReplay
 from zerobridge.runtime.plan import run_fields
@@ -92,14 +93,19 @@ def run_fsdp(source: ModelSource, spec: StrategySpec, run: Run, *, layers: int |
     tensors; and what FSDP2 ran differently from ``spec`` (``key: note``, empty when exact).
     ``ConfigError`` when FSDP2 cannot run the layout even approximately (NVMe)."""
     model = source.build(layers)
-    with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            FakeRunTracker() as tracker:
+    with fake_world(run.world_size, run.ranks_per_node), fake_tracking() as tracker:
         optimizer = optimizer_for(model, run.optimizer)
         prepared = prepare(model, optimizer, spec, allow_approximate=True, replay=ShapeReplay(model),
                            device=torch.device("cpu"))
         assert isinstance(prepared, tuple)
         module, optimizer = prepared
         backend = backend_of(module)
+        assert isinstance(backend, FsdpBackend)
+        # the mesh's rank table is a real tensor (``device_mesh_from_form`` builds it outside the fake
+        # mode, so none of its operations reached the tracker); a real run counts it (from its setup phase on,
+        # which no figure reads: here from the end of setup)
+        with unset_fake_temporarily():
+            tracker.adopt([backend.mesh.mesh])
         train_two_steps(source, module, optimizer, run, tracker, steady=backend.reset_stats)
         held = backend.stats()
     measured = Measured(peaks=dict(tracker.peaks), tiers=dict(held["tier_bytes"]),

@@ -39,14 +39,20 @@ cannot afford.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["PHASES", "StorageTracker"]
+
+_HOLDS_ITS_OWN = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
+"""Tensor types that hold their own storage (no wrapper to look inside): checked before the slower
+``is_traceable_wrapper_subclass``, as nearly every tensor a run makes is one of them."""
 
 PHASES = ("setup", "forward", "backward", "step")
 """The phases a planning run names; ``peaks`` keys are whatever ``phase`` was set to."""
@@ -64,7 +70,7 @@ class StorageTracker(TorchDispatchMode):
         self.peaks: dict[str, int] = {}
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self._resize: Callable[..., Any] | None = None
+        self._watch: AbstractContextManager[StorageTracker] | None = None
 
     # ----------------------------------------------------------------- counting
 
@@ -96,7 +102,7 @@ class StorageTracker(TorchDispatchMode):
         counted, a DTensor shard of a 64-way parameter weighed 64 times its bytes."""
         if tensor.is_meta:  # shape only: no memory behind it (a fake tensor is not meta: it stands for memory)
             return
-        if is_traceable_wrapper_subclass(tensor):
+        if type(tensor) not in _HOLDS_ITS_OWN and is_traceable_wrapper_subclass(tensor):
             names, _ = tensor.__tensor_flatten__()
             for name in names:
                 inner = getattr(tensor, name)
@@ -123,7 +129,11 @@ class StorageTracker(TorchDispatchMode):
 
     # ----------------------------------------------------------------- the mode
 
-    def __enter__(self) -> StorageTracker:
+    @contextmanager
+    def resizes(self) -> Iterator[StorageTracker]:
+        """Follow ``UntypedStorage.resize_`` for the block (a storage grown or shrunk in place counts at
+        its new size) without counting operations: for a mode that counts them itself
+        (``fake_run.CountingFakeMode``, which calls ``count``)."""
         original = torch.UntypedStorage.resize_
         tracker = self
 
@@ -132,22 +142,36 @@ class StorageTracker(TorchDispatchMode):
             tracker._resized(storage, size)
             return out
 
-        self._resize = original
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        try:
+            yield self
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+    def count(self, out: Any) -> None:
+        """Count the tensors an operation returned (``out``: a tensor or a nest of them)."""
+        if isinstance(out, torch.Tensor):  # most operations return one tensor: no tree to walk
+            self._count_tensor(out)
+            return
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                self._count_tensor(value)
+
+    def __enter__(self) -> StorageTracker:
+        self._watch = self.resizes()
+        self._watch.__enter__()
         super().__enter__()
         return self
 
     def __exit__(self, *args: Any) -> None:
         super().__exit__(*args)
-        if self._resize is not None:
-            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-            self._resize = None
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
+            self._watch = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for value in tree_leaves(out):
-            if isinstance(value, torch.Tensor):
-                self._count_tensor(value)
+        self.count(out)
         return out
 
     @property
