@@ -151,6 +151,37 @@ def test_a_fake_run_leaves_out_repeated_optimizer_calls_and_its_figures_stay(
     assert skipped_calls < every_calls / 2
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_fake_runs_step_one_parameter_of_each_kind_and_the_figures_stay(
+        offload: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the second step on, the FSDP2 fake run's optimizer steps one parameter of each shape: the
+    peaks, tiers (offloaded state on the host) and model states are those of stepping every one."""
+    import zerobridge.planning.fsdp_fake_run as fsdp_fake_run
+
+    source = resolve_model("tiny-llama")
+    run = Run(world_size=2, nodes=1, micro_batch=2, seq_len=64)
+    base = spec_for_stage(3, source.build(1)).model_dump()
+    spec = StrategySpec.model_validate(base | ({"offload": {"optimizer": {"device": "cpu"}, "parameters": {"device": "cpu"}}}
+                                               if offload else {}))
+    stepped: list[int] = []
+    one_of_each = fsdp_fake_run._one_of_each_kind
+
+    def counted(optimizer: Any) -> None:
+        before = sum(len(g["params"]) for g in optimizer.param_groups)
+        one_of_each(optimizer)
+        stepped.append(before - sum(len(g["params"]) for g in optimizer.param_groups))
+
+    monkeypatch.setattr(fsdp_fake_run, "_one_of_each_kind", counted)
+    fewer, _ = fsdp_fake_run.run_fsdp(source, spec, run)
+    monkeypatch.setattr(fsdp_fake_run, "_one_of_each_kind", lambda optimizer: None)
+    every, _ = fsdp_fake_run.run_fsdp(source, spec, run)
+    assert stepped and stepped[0] > 10  # parameters left out of the second step
+    assert {k: v for k, v in fewer.peaks.items() if k != "setup"} == \
+           {k: v for k, v in every.peaks.items() if k != "setup"}
+    assert fewer.tiers == every.tiers and fewer.model_states == every.model_states
+    assert fewer.tiers["host" if offload else "device"] > 0
+
+
 @pytest.mark.parametrize("flavor", ["native", "fsdp2"])
 def test_the_counting_fake_mode_counts_what_a_tracker_stacked_above_it_counts(
         flavor: str, monkeypatch: pytest.MonkeyPatch) -> None:
