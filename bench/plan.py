@@ -233,12 +233,14 @@ def table(data: dict[str, Any]) -> str:
         lines += ["", "The commands a user types, start to exit (`python bench/plan.py --cli-only"
                   + (f" --baseline <worktree of {base['commit']}>" if base else "")
                   + f"`, {data['cli_date']}; wall clock, the load average beside each):", "",
-                  "| command | code | wall | CPU (with workers) | load before / after |", "|---|---|---|---|---|"]
+                  "| command | code | wall | CPU (with workers) | wall ÷ the earlier code's | load before / after |",
+                  "|---|---|---|---|---|---|"]
         for name, c in data["cli"].items():
             rows = [(base["commit"], base["figures"][name])] if name in base.get("figures", {}) else []
             for code, f in [*rows, ("this", c)]:
+                ratio = f"{f['seconds'] / rows[0][1]['seconds']:.2f}" if rows and code == "this" else ""
                 lines.append(f"| `{c['command']}` | {code} | {f['seconds']:.1f} s | {f['cpu_seconds']:.1f} s | "
-                             f"{f['load_before']:.1f} / {f['load_after']:.1f} on {f['cores']} cores |")
+                             f"{ratio} | {f['load_before']:.1f} / {f['load_after']:.1f} on {f['cores']} cores |")
     shown = data.get("cli", {}).get("llama-3-70b", {}).get("output") or s.get("llama-3-70b", {}).get("table")
     if shown:  # what the command printed when it was timed, else what the scale run's plan rendered
         lines += ["", "`zerobridge plan llama-3-70b --world-size 64 --nodes 8 --device-memory 80GiB --micro-batch 1 "
