@@ -161,8 +161,8 @@ def test_fsdp2_fake_runs_step_one_parameter_of_each_kind_and_the_figures_stay(
     source = resolve_model("tiny-llama")
     run = Run(world_size=2, nodes=1, micro_batch=2, seq_len=64)
     base = spec_for_stage(3, source.build(1)).model_dump()
-    spec = StrategySpec.model_validate(base | ({"offload": {"optimizer": {"device": "cpu"}, "parameters": {"device": "cpu"}}}
-                                               if offload else {}))
+    on_host = {"offload": {"optimizer": {"device": "cpu"}, "parameters": {"device": "cpu"}}}
+    spec = StrategySpec.model_validate(base | (on_host if offload else {}))
     stepped: list[int] = []
     one_of_each = fsdp_fake_run._one_of_each_kind
 
