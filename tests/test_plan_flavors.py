@@ -405,9 +405,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepspeed_plan_within_10_percent_of_real_deepspeed(world: int, folder: Path) -> None:
-    """Measured (docs/plan.md): 34 of 36 cells within 10% at world 2 (-0.2% .. +10.7%), 10 of 12 at world 4
-    (-0.3% .. +29.4%); the cells over are planned high (``GAPS``). Stage 1 is planned on stage 2's layout.
-    Here ten cells at world 2 and two at world 4."""
+    """Measured (docs/plan.md, ``bench/plan_flavors.py``): every cell within 10%, -0.3% .. +5.5% over 36
+    cells at world 2 and -0.3% .. +3.5% over 12 at world 4. Here ten cells at world 2 and three at world 4."""
     pytest.importorskip("deepspeed")
     errors = _errors(_real("deepspeed", world, folder), "deepspeed", world, folder)
     assert len(errors) == len(CELLS["deepspeed", world])
