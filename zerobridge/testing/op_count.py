@@ -26,15 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerobridge
 from zerobridge.backends.native.prepare import prepare
 from zerobridge.models.tiny_gpt import tiny_gpt
-from zerobridge.planning.fake_run import Run, fake_world
+from zerobridge.planning.fake_run import Run, fake_tracking, fake_world
 from zerobridge.planning.models import resolve_model
-from zerobridge.planning.tracker import StorageTracker
 from zerobridge.runtime.deferred_init import ShapeReplay
 from zerobridge.spec.presets import spec_for_stage
 
@@ -91,8 +89,7 @@ def fake_step_ops(model: str, stage: int, layers: int, *, world_size: int = 8, s
     spec = spec_for_stage(stage, built)
     run = Run(world_size=world_size, nodes=1, micro_batch=1, seq_len=seq_len)
     counted: list[dict[str, int]] = []
-    with fake_world(run.world_size, run.ranks_per_node), FakeTensorMode(allow_non_fake_inputs=True), \
-            StorageTracker():
+    with fake_world(run.world_size, run.ranks_per_node), fake_tracking():
         prepare(built, None, spec, allow_approximate=False, replay=ShapeReplay(built), device=torch.device("cpu"))
         optimizer = torch.optim.AdamW([p for p in built.parameters() if p.requires_grad], lr=1e-3, foreach=False)
         tokens = torch.randint(0, max(source.vocab_size, 2), (run.micro_batch, seq_len))
